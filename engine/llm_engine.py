@@ -1,0 +1,138 @@
+"""The engine loop: schedule -> execute -> update, plus request intake and abort."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import read_generation_config
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.plan import SampledToken
+from engine.request import AdapterRef, Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+PromptType = str | dict | list[int]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_evicted_blocks: int
+    prefix_cache_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        gen = read_generation_config(config.model)
+        eos = gen.get("eos_token_id", self.model_config.eos_token_ids)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        self.tokenizer = Tokenizer(config.model, extra_eos_ids=eos_ids)
+        self.runner = ModelRunner(config, self.model_config)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.runner.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    # ----- intake -----------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
+                    adapter: AdapterRef | None = None, cache_salt: str = "") -> None:
+        """Queue a request; n > 1 becomes n sequences sharing the prompt (and its cached prefix).
+
+        Raises ValueError (naming the problem) for a prompt that can never be served.
+        """
+        if self.outputs.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        added = []
+        try:
+            for i, cid in enumerate(child_ids):
+                child_params = params
+                if params.n > 1 and params.seed is not None:
+                    child_params = _with_seed(params, params.seed + i)
+                req = Request(cid, list(token_ids), child_params, self.tokenizer.eos_token_ids, priority=priority,
+                              adapter=adapter, cache_salt=cache_salt)
+                self.scheduler.add_request(req)
+                added.append(cid)
+        except ValueError:
+            for cid in added:
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.outputs.add(request_id, text, token_ids, params, child_ids)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, [int(t) for t in prompt]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request (all its samples) now; returns its final output, or None if unknown."""
+        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+        return self._end(request_id, RequestStatus.FINISHED_ERROR, error)
+
+    def _end(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
+        result = None
+        for cid in self.outputs.child_ids(request_id):
+            self.scheduler.finish_request(cid, status)
+            result = self.outputs.finish(cid, status, error) or result
+        return result
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        output = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, output)
+        return self._make_outputs(updates)
+
+    def _make_outputs(self, updates: list[tuple[Request, SampledToken]]) -> list[RequestOutput]:
+        outputs, stop_hits = self.outputs.process(updates)
+        for child_id, stop in stop_hits:
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        pc = kv.prefix_cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=kv.pool.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage(),
+            num_preemptions=self.scheduler.stats.num_preemptions,
+            prefix_query_tokens=pc.stats.query_tokens if pc else 0,
+            prefix_hit_tokens=pc.stats.hit_tokens if pc else 0,
+            prefix_evicted_blocks=pc.stats.evicted_blocks if pc else 0,
+            prefix_cache_blocks=pc.num_blocks if pc else 0,
+        )
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return replace(params, seed=seed)

@@ -1,0 +1,142 @@
+"""Llama-family decoder over a flat batch of tokens and paged KV.
+
+One forward serves a mixed batch of prefill chunks and decode tokens from many sequences: tokens are
+concatenated into (T, hidden) and attention finds each sequence's keys through its block table.
+Covers LlamaForCausalLM (incl. Llama 3.1 rope scaling), MistralForCausalLM (sliding window),
+Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm); GQA; tied embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.models.rope import RotaryEmbedding
+from kernels.attention import paged_attention, write_kv
+
+
+class LoRAContext(Protocol):
+    """Adds this step's LoRA deltas. Groups: "qkv", "o", "gate_up", "down" (fused projections)."""
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += scaling * (x @ A.T) @ B.T for each token's adapter, per slice of the group. In place."""
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    block_tables: torch.Tensor  # (S, max_blocks) int32
+    query_start_loc: torch.Tensor  # (S + 1,) int32
+    seq_lens: torch.Tensor  # (S,) int32
+    slot_mapping: torch.Tensor  # (T,) int64
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # (H,)
+    post_norm: torch.Tensor  # (H,)
+    qkv: torch.Tensor  # (q + 2 kv, H) fused q/k/v projection
+    qkv_bias: torch.Tensor | None  # (q + 2 kv,)
+    o: torch.Tensor  # (H, q)
+    q_norm: torch.Tensor | None  # (D,)
+    k_norm: torch.Tensor | None  # (D,)
+    gate_up: torch.Tensor  # (2 I, H) fused gate/up projection
+    down: torch.Tensor  # (H, I)
+
+
+class LlamaModel:
+    """Weights plus the forward pass. Holds no per-request state; the runner owns the KV tensors."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str,
+                 max_positions: int) -> None:
+        self.cfg = cfg
+        w = {k: v.to(device) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]  # (V, H)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if cfg.qkv_bias:
+                bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            self.layers.append(_Layer(
+                input_norm=w[p + "input_layernorm.weight"],
+                post_norm=w[p + "post_attention_layernorm.weight"],
+                qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                qkv_bias=bias,
+                o=w[a + "o_proj.weight"],
+                q_norm=w.get(a + "q_norm.weight"),
+                k_norm=w.get(a + "k_norm.weight"),
+                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                down=w[p + "mlp.down_proj.weight"],
+            ))
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
+        self.scale = cfg.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionInputs,
+        lora: LoRAContext | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, (T, H). Writes this step's K/V into kv_caches."""
+        cfg = self.cfg
+        n_tok = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)  # (T, H)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.reshape(n_tok, cfg.num_heads, cfg.head_dim)  # (T, Hq, D)
+            k = k.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
+            v = v.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = self.rotary(q, positions)
+            k = self.rotary(k, positions)
+            k_cache, v_cache = kv_caches[i]
+            write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            o_in = paged_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
+                cfg.sliding_window,
+            ).reshape(n_tok, cfg.q_size)  # (T, q)
+            o = F.linear(o_in, layer.o)  # (T, H)
+            if lora is not None:
+                lora.add(i, "o", o_in, o)
+            x = x + o
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(h, layer.gate_up)  # (T, 2I)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up  # (T, I)
+            down = F.linear(act, layer.down)  # (T, H)
+            if lora is not None:
+                lora.add(i, "down", act, down)
+            x = x + down
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, H) -> (N, V) float32 logits."""
+        return F.linear(hidden, self.lm_head).float()

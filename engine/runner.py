@@ -1,0 +1,92 @@
+"""The only owner of tensors: model weights, the paged KV cache, and the per-step inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import load_weights
+from engine.models.llama import AttentionInputs, LlamaModel
+from engine.plan import BatchPlan, ModelOutput
+from engine.sampler import Sampler
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV cache, and executes BatchPlans.
+
+    Constructing one needs no GPU; `device` decides where tensors live.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype(model_config)
+        self.max_model_len = config.resolved_max_model_len(model_config)
+        weights = load_weights(Path(config.model), model_config, self.dtype)
+        self.model = LlamaModel(model_config, weights, self.device, self.max_model_len)
+        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]  # per layer: (num_blocks, block_size, H_kv, D) keys and values
+        self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
+        self.lora = None  # engine.lora_slots.LoRASlots, set by the engine: builds each step's LoRAContext
+        self.grammar_masker = None  # set by the engine when structured output is enabled
+
+    def _blocks_that_fit(self) -> int:
+        mc = self.model_config
+        bytes_per_block = (2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * mc.head_dim
+                           * torch.empty((), dtype=self.dtype).element_size())
+        return max(1, int(self.config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> ModelOutput:
+        """One forward over the plan's tokens, then sample one token per SampleRow."""
+        self.sampler.forget(plan.finished_req_ids)
+        if plan.is_empty:
+            return ModelOutput([])
+        dev = self.device
+        input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=dev)  # (T,)
+        positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # (T,)
+        max_blocks = max(len(s.block_table) for s in plan.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in plan.seqs]
+        starts = [s.query_start for s in plan.seqs] + [plan.num_tokens]
+        attn = AttentionInputs(
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),  # (S, max_blocks)
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),  # (S + 1,)
+            seq_lens=torch.tensor([s.seq_len for s in plan.seqs], dtype=torch.int32, device=dev),  # (S,)
+            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=dev),  # (T,)
+        )
+        lora_ctx = self.lora.context(plan) if self.lora is not None else None
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, attn, lora_ctx)  # (T, H)
+        if not plan.sample_rows:
+            return ModelOutput([])
+        index = torch.tensor([r.token_index for r in plan.sample_rows], device=dev)
+        logits = self.model.compute_logits(hidden[index])  # (N, V) float32
+        mask = self.grammar_masker(plan.sample_rows, logits.shape[-1]) if self.grammar_masker else None
+        return ModelOutput(self.sampler(logits, plan.sample_rows, mask))
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits of every position of one prompt, computed in scratch blocks. For tests and tools.
+
+        Uses the last blocks of the pool; call only while the engine is idle.
+        """
+        bs = self.config.block_size
+        n_blocks = -(-len(token_ids) // bs)
+        table = list(range(self.num_blocks - n_blocks, self.num_blocks))
+        dev = self.device
+        attn = AttentionInputs(
+            block_tables=torch.tensor([table], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, len(token_ids)], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([len(token_ids)], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(len(token_ids))], device=dev),
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        hidden = self.model.forward(ids, torch.arange(len(token_ids), device=dev), self.kv_caches, attn)
+        return self.model.compute_logits(hidden)

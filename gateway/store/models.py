@@ -1,0 +1,178 @@
+"""Records the store keeps, and the rules their fields obey.
+
+Times are POSIX seconds (float, UTC). Records are frozen snapshots: the store returns fresh objects
+(and fresh `policy` dicts) on every read, so mutating one never changes what is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SCOPE_PATTERN = re.compile(r"[a-z][a-z0-9:_-]{0,63}")
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+Granularity = Literal["hour", "day"]
+
+
+def check_name(kind: str, name: str) -> str:
+    """Tenant and adapter names: 1-64 of [A-Za-z0-9._-], starting alphanumeric (no '@', ':' or '/')."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"{kind} name {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def check_sha256(sha256: str) -> str:
+    if not isinstance(sha256, str) or not SHA256_PATTERN.fullmatch(sha256):
+        raise ValueError(f"sha256 {sha256!r} is not 64 lowercase hex digits")
+    return sha256
+
+
+def check_scopes(scopes: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
+    """Scopes are opaque to the store; the gateway gives them meaning ("tenant", "admin", ...)."""
+    if isinstance(scopes, str):
+        raise ValueError(f"scopes must be a collection of strings, not the string {scopes!r}")
+    out = frozenset(scopes)
+    if not out:
+        raise ValueError("an API key needs at least one scope")
+    for scope in out:
+        if not isinstance(scope, str) or not SCOPE_PATTERN.fullmatch(scope):
+            raise ValueError(f"scope {scope!r} is invalid: use lowercase letters, digits, ':', '_' or '-'")
+    return out
+
+
+def check_time(what: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what} must be finite POSIX seconds, got {value!r}")
+    return float(value)
+
+
+def check_count(what: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def json_text(what: str, value: Any) -> str:
+    """Canonical JSON text of `value`; ValueError naming `what` if it is not JSON-serializable."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} is not JSON-serializable: {exc}") from None
+
+
+def policy_text(policy: dict[str, Any] | None) -> str:
+    """A tenant policy is an opaque JSON object owned by the policies package."""
+    if policy is None:
+        policy = {}
+    if not isinstance(policy, dict):
+        raise ValueError(f"policy must be a JSON object (dict), got {type(policy).__name__}")
+    return json_text("policy", policy)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    name: str
+    created_at: float
+    suspended: bool
+    policy: dict[str, Any] = field(hash=False)  # opaque JSON object; schema owned by policies/
+    cache_salt: str  # chosen by the server at creation, never by a client; namespaces the KV cache
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    tenant_id: str
+    prefix: str  # first characters of the plaintext, safe to show in listings
+    hash: str  # sha256 hex of the plaintext; the plaintext itself is never stored
+    scopes: frozenset[str]
+    created_at: float
+    name: str = ""
+    expires_at: float | None = None
+    revoked_at: float | None = None
+    last_used_at: float | None = None
+
+    def is_expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    def is_usable(self, now: float) -> bool:
+        return self.revoked_at is None and not self.is_expired(now)
+
+
+class Authenticated(NamedTuple):
+    """What `Store.authenticate` returns for a usable key of an active tenant."""
+
+    key: ApiKey
+    tenant: Tenant
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    tenant_id: str  # owner
+    name: str
+    version: int  # 1, 2, 3... per (tenant, name); never reused, even after a delete
+    sha256: str  # content address of the adapter file
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    description: str
+    created_at: float
+    deleted_at: float | None = None
+    shared: bool = False  # visible to every tenant, not only the owner
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class AdapterTotals:
+    """Live (not deleted) adapter versions of one tenant, for quotas."""
+
+    count: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (a subset of prompt_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    tenant_id: str
+    bucket_start: int  # POSIX seconds of the UTC hour or day the row covers
+    granularity: Granularity
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    id: int  # increasing; newer entries have larger ids
+    at: float
+    actor: str  # API key id, or "cli"
+    action: str  # e.g. "tenant.policy.update"
+    target: str  # e.g. a tenant id or "tenant_id/adapter_name"
+    before: Any = field(default=None, hash=False)  # JSON value
+    after: Any = field(default=None, hash=False)  # JSON value

@@ -1,0 +1,104 @@
+"""The small interface every grammar backend implements, and the limits it compiles under.
+
+A backend turns a `GrammarSpec` into a `CompiledGrammar` (immutable, cached, shared by requests);
+each request gets its own `GrammarMatcher` from it. Backends differ in which JSON-schema keywords
+they enforce: `unsupported_keywords` lists the ones a backend would silently ignore (found by
+experiment, see grammar/strictness.py), and the strictness check refuses them up front.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grammar.spec import GrammarSpec
+from grammar.tokenizer_info import TokenizerInfo
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Size limits a compile must stay within (the time limit belongs to GrammarCompiler).
+
+    max_spec_chars: longest canonical spec text accepted.
+    max_ref_depth: deepest chain of nested $ref expansions in a schema.
+    max_states: largest automaton (outlines-core: index states; llguidance: lexer states).
+    max_grammar_symbols: largest context-free grammar (llguidance only).
+    """
+
+    max_spec_chars: int = 100_000
+    max_ref_depth: int = 16
+    max_states: int = 200_000
+    max_grammar_symbols: int = 200_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_spec_chars", "max_ref_depth", "max_states", "max_grammar_symbols"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GrammarLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class GrammarMatcher(ABC):
+    """One request's position in a compiled grammar. Not thread-safe: one owner at a time.
+
+    Contract: EOS ids are allowed exactly when `is_accepting()`; special tokens never are.
+    Accepting EOS terminates the matcher. `accept_token` returns False (and leaves the state
+    unchanged) for a token the grammar does not allow.
+    """
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the token is not allowed here."""
+
+    @abstractmethod
+    def is_accepting(self) -> bool:
+        """The text so far is a complete match (EOS would be allowed now)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Nothing may follow: EOS was accepted, or the match is complete and only EOS is allowed.
+        The engine finishes such a request with "stop"."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits into bitmask[row] (int32, CPU, (batch, ceil(vocab/32))).
+        Bit j of word w is token 32*w + j. Does not change the matcher."""
+
+
+class CompiledGrammar(ABC):
+    """An immutable compiled grammar, safe to share between requests and threads."""
+
+    spec: GrammarSpec
+    backend: GrammarBackend
+
+    @abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (cheap: no compilation)."""
+
+
+class GrammarBackend(ABC):
+    """Compiles specs over one tokenizer's vocabulary."""
+
+    name: str
+    # JSON-schema keywords this backend would silently ignore: refused before compiling.
+    unsupported_keywords: frozenset[str]
+    # formats it enforces for {"type": "string", "format": ...}
+    supported_formats: frozenset[str]
+    # whether a $ref may (indirectly) refer to itself
+    supports_recursive_ref: bool
+
+    def __init__(self, tokenizer_info: TokenizerInfo, limits: GrammarLimits) -> None:
+        self.tokenizer_info = tokenizer_info
+        self.limits = limits
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile a spec that passed the strictness check. Raises GrammarError. Thread-safe."""
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        """Fill bitmask[rows[i]] for matchers[i], all of this backend. Backends override this
+        with a parallel fill where they have one."""
+        for matcher, row in zip(matchers, rows, strict=True):
+            matcher.fill_bitmask(bitmask, row)

@@ -1,0 +1,128 @@
+"""Attention over paged KV: the torch reference (CPU path) and the dispatch to Triton on CUDA.
+
+Layout shared by every implementation:
+
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables:     (num_seqs, max_blocks_per_seq) int32, padded with 0 past a sequence's blocks
+    query_start_loc:  (num_seqs + 1,) int32, cumulative query lengths; query tokens of sequence s are
+                      rows query_start_loc[s] : query_start_loc[s + 1] of q
+    seq_lens:         (num_seqs,) int32, tokens in KV for sequence s after this step's writes
+                      (cached context + this step's query tokens)
+
+Query token i of sequence s sits at absolute position p = seq_lens[s] - query_len[s] + i and attends
+keys at positions max(0, p - sliding_window + 1) .. p (causal; the window only when one is set).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's keys and values into their cache slots.
+
+    Semantics:
+        k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t]   for every token t (same for v)
+        k, v: (T, H_kv, D); slot_mapping: (T,) int64, slot = block_id * block_size + offset.
+    Mutates k_cache and v_cache in place.
+    """
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of a mixed prefill/decode batch over paged KV (torch reference).
+
+    Semantics:
+        out[t, h] = softmax_j(scale * q[t, h] . K_s[j, h // G]) @ V_s[j, h // G]
+        over the keys j allowed for token t (see the module docstring), where K_s / V_s are sequence
+        s's keys and values read through its block table and G = H_q / H_kv (grouped-query attention).
+        q: (T, H_q, D) -> out: (T, H_q, D), in q's dtype, accumulated in fp32.
+
+    Decode rows (one query token) are computed together in one batched gather; prefill chunks one
+    sequence at a time. This is the CPU path; it does not modify the caches.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=q.device)
+        max_len = max(lens[i] for i in decode)
+        n_blocks = (max_len + block_size - 1) // block_size
+        tables = block_tables[decode, :n_blocks]
+        # (B, L, H_kv, D) gathered keys and values, L = n_blocks * block_size
+        keys = k_cache[tables].flatten(1, 2).float()
+        values = v_cache[tables].flatten(1, 2).float()
+        qd = q[rows].float().view(len(decode), num_kv_heads, group, head_dim)  # (B, H_kv, G, D)
+        scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)) * scale  # (B, H_kv, G, L)
+        pos = torch.arange(keys.shape[1], device=q.device)
+        lens_t = torch.tensor([lens[i] for i in decode], device=q.device)
+        masked = pos[None, :] >= lens_t[:, None]  # (B, L)
+        if sliding_window is not None:
+            masked |= pos[None, :] <= (lens_t[:, None] - 1 - sliding_window)
+        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        attn = torch.matmul(probs, values.transpose(1, 2))  # (B, H_kv, G, D)
+        out[rows] = attn.reshape(len(decode), num_heads, head_dim).to(q.dtype)
+
+    for i, n in enumerate(query_lens):
+        if n <= 1:
+            continue
+        seq_len = lens[i]
+        n_blocks = (seq_len + block_size - 1) // block_size
+        table = block_tables[i, :n_blocks]
+        keys = k_cache[table].flatten(0, 1)[:seq_len].float()  # (S, H_kv, D)
+        values = v_cache[table].flatten(0, 1)[:seq_len].float()
+        qs = q[starts[i] : starts[i + 1]].float()  # (n, H_q, D)
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # (n, S)
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            qs.transpose(0, 1),  # (H_q, n, D)
+            keys.transpose(0, 1).repeat_interleave(group, dim=0),
+            values.transpose(0, 1).repeat_interleave(group, dim=0),
+            attn_mask=allowed,
+            scale=scale,
+        )
+        out[starts[i] : starts[i + 1]] = attn.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Dispatch: Triton kernels on CUDA, the torch reference elsewhere. Same semantics as the reference."""
+    if q.is_cuda:
+        from kernels import attention_triton
+
+        return attention_triton.paged_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+        )
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)

@@ -1,0 +1,106 @@
+"""Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter when there is no GPU.
+
+NOTE: `@triton.jit` picks interpreted or compiled kernels when a kernel module is imported, reading
+TRITON_INTERPRET (triton.knobs.runtime.interpret) at that moment, so the variable is set here, at import,
+before any test module imports `kernels.*_triton`. `test_*_triton.py` assert that the kernels they launch
+really are interpreted functions. With a GPU the kernels compile and the same tests run on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def triton_device() -> torch.device:
+    """Where Triton kernels run in this session: the CPU under the interpreter, else the GPU."""
+    from triton import knobs
+
+    if knobs.runtime.interpret:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("Triton is compiled (TRITON_INTERPRET unset) but there is no CUDA device")
+    return torch.device("cuda")
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    q: torch.Tensor  # (T, H_q, D)
+    k_cache: torch.Tensor  # (num_blocks, block_size, H_kv, D)
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32, random distinct block ids, 0-padded
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
+    seq_lens: torch.Tensor  # (num_seqs,) int32
+
+    def args(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(device) for t in (self.q, self.k_cache, self.v_cache, self.block_tables,
+                                            self.query_start_loc, self.seq_lens))
+
+
+def make_batch(
+    query_lens: list[int], seq_lens: list[int], *, block_size: int, num_kv_heads: int, group: int,
+    head_dim: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+) -> PagedBatch:
+    """Sequences with `seq_lens` tokens in KV, the last `query_lens` of them queried this step."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold garbage nobody may read
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = ids[used : used + n]
+        used += n
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return PagedBatch(
+        q=torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype),
+        k_cache=torch.randn(cache_shape, generator=gen).to(dtype),
+        v_cache=torch.randn(cache_shape, generator=gen).to(dtype),
+        block_tables=tables,
+        query_start_loc=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+
+
+def naive_attention(batch: PagedBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Dense float64 attention, one sequence and one query token at a time, keys read position by position."""
+    q, k_cache, v_cache = batch.q.double(), batch.k_cache.double(), batch.v_cache.double()
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = batch.query_start_loc.tolist()
+    for s, seq_len in enumerate(batch.seq_lens.tolist()):
+        table = batch.block_tables[s].tolist()
+        keys = torch.stack([k_cache[table[j // block_size], j % block_size] for j in range(seq_len)])
+        values = torch.stack([v_cache[table[j // block_size], j % block_size] for j in range(seq_len)])
+        query_len = starts[s + 1] - starts[s]
+        for i in range(query_len):
+            pos = seq_len - query_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(q.shape[1]):
+                k = keys[lo : pos + 1, h // group]  # (n_keys, D)
+                weights = torch.softmax(scale * (k @ q[starts[s] + i, h]), dim=0)
+                out[starts[s] + i, h] = weights @ values[lo : pos + 1, h // group]
+    return out
+
+
+@pytest.fixture
+def paged_batch() -> Callable[..., PagedBatch]:
+    """Factory: paged_batch(query_lens, seq_lens, block_size=, num_kv_heads=, group=, head_dim=, ...)."""
+    return make_batch
+
+
+@pytest.fixture
+def dense_attention() -> Callable[[PagedBatch, float, int | None], torch.Tensor]:
+    """The naive dense float64 attention the reference and the kernels are checked against."""
+    return naive_attention
