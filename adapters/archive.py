@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from adapters.adapter_files import (
-    ADAPTER_CONFIG_FILE,
     ADAPTER_README_FILE,
     ADAPTER_WEIGHTS_FILE,
     PICKLE_WEIGHT_FILES,
@@ -106,7 +105,7 @@ def pack_adapter_dir(adapter_dir: str | Path, out_path: str | Path | None = None
     else:
         out = Path(out_path)
     try:
-        with out.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+        with out.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz, \
                 tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for name in files:
                 info = tarfile.TarInfo(name)
@@ -181,7 +180,7 @@ class _MemberWriter:
     def _claim_top_dir(self, top: str, raw_name: str) -> None:
         if self.top_dir is None:
             self.top_dir = top
-        elif self.top_dir != top and not (top == "" and raw_name.endswith("/")):
+        elif self.top_dir != top:
             raise AdapterError("archive must hold the adapter files at its top level or inside one directory "
                                f"(found {raw_name!r})")
 
@@ -244,7 +243,9 @@ def _unpack_zip(f: BinaryIO, writer: _MemberWriter, limits: ArchiveLimits) -> No
                     continue
                 with zf.open(info) as data:
                     writer.file(info.filename, _chunks(data))
-    except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as e:
+    except AdapterError:
+        raise
+    except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, ValueError) as e:
         raise AdapterError(f"archive is truncated or corrupt ({e or type(e).__name__})") from None
 
 

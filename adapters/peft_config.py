@@ -178,7 +178,7 @@ class PeftLoraConfig:
         pattern = _first_pattern_key(self.alpha_pattern, module_path(*key))
         alpha = float(self.alpha_pattern[pattern] if pattern is not None else self.lora_alpha)
         rank = self.rank_for(key)
-        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+        return alpha / rank
 
     def _is_excluded(self, name: str) -> bool:
         if isinstance(self.exclude_modules, str):

@@ -47,6 +47,8 @@ class GrammarMatcher(ABC):
     unchanged) for a token the grammar does not allow.
     """
 
+    backend: GrammarBackend  # the backend that compiled it (batched fills group by it)
+
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the token is not allowed here."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
 import torch
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
@@ -64,9 +63,9 @@ class _ByteVocabulary:
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend) -> None:
         self._matcher = matcher
-        self._eos = eos_token_ids
+        self.backend = backend
 
     def accept_token(self, token_id: int) -> bool:
         # validate first: consuming a disallowed token would put the matcher in a permanent error state
@@ -81,7 +80,8 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._matcher.is_stopped()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        target = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     def error(self) -> str:
         """llguidance's error message, empty while the matcher is healthy."""
@@ -95,14 +95,18 @@ class LLGuidanceGrammar(CompiledGrammar):
         self._template = template
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy(), self.backend.tokenizer_info.eos_token_ids)
+        return LLGuidanceMatcher(self._template.deep_copy(), self.backend)
 
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
-    # Keywords llguidance 1.9 accepts but does not enforce (found by sampling, see tests/grammar):
-    # none so far; keywords it does not implement make it raise, which the compiler reports.
-    unsupported_keywords = frozenset()
+    # Sampling found no keyword that llguidance 1.9 accepts without enforcing (ranges, multipleOf,
+    # min/maxItems, patternProperties, allOf, disjoint oneOf all hold). These it refuses itself, without
+    # a path; listing them makes the strictness check name the JSON pointer instead.
+    unsupported_keywords = frozenset(
+        {"uniqueItems", "propertyNames", "not", "contains", "if", "then", "else", "dependentRequired",
+         "dependentSchemas", "unevaluatedProperties", "unevaluatedItems"}
+    )
     supported_formats = frozenset(
         {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
     )
@@ -129,18 +133,16 @@ class LLGuidanceBackend(GrammarBackend):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=_JSON_OPTIONS)
         else:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.as_regex())
-        limits = self._parser_limits()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._tokenizer, limits=limits
-        )
-        if is_error or messages:
-            raise GrammarError(f"{spec.kind} refused by llguidance: {'; '.join(messages)}")
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits())
         if template.is_error():
             raise GrammarError(f"{spec.kind} refused by llguidance: {template.get_error()}")
+        # warnings mean something was approximated: strict mode refuses them
+        if template.get_grammar_warnings():
+            raise GrammarError(f"{spec.kind} refused by llguidance: {'; '.join(template.get_grammar_warnings())}")
         return LLGuidanceGrammar(spec, self, template)
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
+        # NOTE: llguidance.torch is not imported: it pulls in torch.compile at import time.
         pairs = [(m._matcher, row) for m, row in zip(matchers, rows, strict=True)]  # type: ignore[attr-defined]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])

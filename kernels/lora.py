@@ -67,10 +67,11 @@ def lora_shrink(
     when segments average >= 4 tokens. The CPU path ignores it.
     """
     _check_operands(None, x, weights, meta)
+    use_segments = _use_segments(meta, mode)
     if x.is_cuda:
         from kernels import lora_triton
 
-        return lora_triton.shrink(x, weights, meta, _use_segments(meta, mode))
+        return lora_triton.shrink(x, weights, meta, use_segments)
     buf = torch.zeros(x.shape[0], weights.lora_a.shape[1], dtype=torch.float32)  # (T, num_slices * R)
     ranks = weights.ranks.tolist()
     rank_stride = weights.max_rank
@@ -97,10 +98,11 @@ def lora_expand(
     _check_operands(y, None, weights, meta)
     if tuple(buf.shape) != (meta.num_tokens, weights.lora_a.shape[1]):
         raise ValueError(f"buf has shape {tuple(buf.shape)}, expected {(meta.num_tokens, weights.lora_a.shape[1])}")
+    use_segments = _use_segments(meta, mode)
     if y.is_cuda:
         from kernels import lora_triton
 
-        lora_triton.expand(y, buf, weights, meta, _use_segments(meta, mode))
+        lora_triton.expand(y, buf, weights, meta, use_segments)
         return
     ranks = weights.ranks.tolist()
     scaling = weights.scaling.tolist()

@@ -159,6 +159,7 @@ class QuotaBackend(ABC):
 
     async def close(self) -> None:
         """Release connections; the default holds none."""
+        return None
 
 
 def refusal_message(reason: RefusalReason, policy: TenantPolicy, reservation: int,

@@ -85,7 +85,7 @@ class RedisQuotaBackend(QuotaBackend):
         keys = [self._key(tenant_id, "req"), self._key(tenant_id, "tok"), self._key(tenant_id, "leases"),
                 self._key(tenant_id, f"budget:{periods.day}"), self._key(tenant_id, f"budget:{periods.month}"),
                 self._key(tenant_id, f"lease:{lease_id}")]
-        args = [
+        args: list[str | int | float] = [
             self._now_arg(now), policy.requests_per_minute, policy.tokens_per_minute,
             policy.max_concurrent_requests, reservation,
             -1 if policy.daily_token_budget is None else policy.daily_token_budget,

@@ -14,6 +14,7 @@ An async caller can call reads directly; writes belong in a thread (`run_in_thre
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from abc import ABC, abstractmethod
@@ -85,7 +86,7 @@ class Store(ABC):
         text = policy_text(policy)
         tenant = Tenant(
             id="ten_" + secrets.token_hex(8), name=check_name("tenant", name), created_at=self._now(now),
-            suspended=False, policy=dict(policy or {}), cache_salt=secrets.token_hex(16), shared=bool(shared),
+            suspended=False, policy=json.loads(text), cache_salt=secrets.token_hex(16), shared=bool(shared),
         )
         self._insert_tenant(tenant, text)
         return tenant
@@ -277,7 +278,7 @@ class Store(ABC):
         at = self._now(at)
         before_json, after_json = json_text("audit before", before), json_text("audit after", after)
         entry_id = self._insert_audit(at, actor, action, target, before_json, after_json)
-        return AuditEntry(entry_id, at, actor, action, target, before, after)
+        return AuditEntry(entry_id, at, actor, action, target, json.loads(before_json), json.loads(after_json))
 
     def list_audit(self, *, limit: int = 50, before_id: int | None = None) -> list[AuditEntry]:
         """Newest first; `before_id` pages back from an entry id (exclusive)."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels.lora_weights import LoRAStackedWeights
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -104,3 +106,61 @@ def paged_batch() -> Callable[..., PagedBatch]:
 def dense_attention() -> Callable[[PagedBatch, float, int | None], torch.Tensor]:
     """The naive dense float64 attention the reference and the kernels are checked against."""
     return naive_attention
+
+
+def popular_slots(mix: str, num_requests: int, num_slots: int, gen: torch.Generator) -> list[int]:
+    """One slot per request under an adapter popularity mix (-1 = base model)."""
+    if mix == "distinct":
+        return list(range(num_requests))
+    if mix == "identical":
+        return [num_slots - 1] * num_requests
+    if mix == "uniform":
+        return torch.randint(0, num_slots, (num_requests,), generator=gen).tolist()
+    if mix == "skewed":  # most requests on slot 0, a long tail on the others
+        tail = torch.randint(1, num_slots, (num_requests,), generator=gen)
+        return torch.where(torch.rand(num_requests, generator=gen) < 0.7, 0, tail).tolist()
+    if mix == "with_base":
+        return torch.randint(-1, num_slots, (num_requests,), generator=gen).tolist()
+    raise ValueError(f"unknown mix {mix!r}")
+
+
+def make_token_slots(mix: str, layout: str, num_slots: int, seed: int = 0) -> list[int]:
+    """Per-token slots: "decode" = one token per request, "prefill" = a run of 1..9 tokens per request."""
+    gen = torch.Generator().manual_seed(seed)
+    num_requests = num_slots if mix == "distinct" else 10
+    per_request = popular_slots(mix, num_requests, num_slots, gen)
+    if layout == "decode":
+        return per_request
+    lengths = torch.randint(1, 10, (num_requests,), generator=gen).tolist()
+    return [slot for slot, n in zip(per_request, lengths, strict=True) for _ in range(n)]
+
+
+def make_lora_weights(
+    ranks: list[list[int]], in_features: int, slice_sizes: tuple[int, ...], max_rank: int,
+    dtype: torch.dtype = torch.float32, seed: int = 0,
+) -> LoRAStackedWeights:
+    """Slots with the given per-slice ranks (0 = slice not adapted); padding filled with garbage so a
+    kernel that reads past a slot's rank gets a wrong answer."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = LoRAStackedWeights.allocate(len(ranks), max_rank, in_features, slice_sizes, dtype)
+    for slot, slot_ranks in enumerate(ranks):
+        a = [torch.randn(r, in_features, generator=gen) if r else None for r in slot_ranks]
+        b = [torch.randn(n, r, generator=gen) if r else None for n, r in zip(slice_sizes, slot_ranks, strict=True)]
+        scaling = [0.5 + slot + i for i in range(len(slice_sizes))]
+        weights.write_slot(slot, a, b, scaling)
+        for i, (r, offset, n) in enumerate(zip(slot_ranks, weights.slice_offsets, slice_sizes, strict=True)):
+            weights.lora_a[slot, i * max_rank + r : (i + 1) * max_rank] = 1e3
+            weights.lora_b[slot, offset : offset + n, r:] = -1e3
+    return weights
+
+
+@pytest.fixture
+def lora_batch() -> Callable[..., list[int]]:
+    """Factory: lora_batch(mix, layout, num_slots, seed=0) -> per-token slot ids."""
+    return make_token_slots
+
+
+@pytest.fixture
+def lora_weights() -> Callable[..., LoRAStackedWeights]:
+    """Factory: lora_weights(ranks, in_features, slice_sizes, max_rank, dtype, seed) -> stacked slots."""
+    return make_lora_weights

@@ -1,0 +1,162 @@
+"""Grammar benchmark: compile time per backend (cold and cached) and mask fill + apply per step.
+
+    python -m bench.grammar [--quick] [--tokenizer DIR] [--out bench/results/grammar.json]
+
+(run it as a module from the repository root: as a script, bench/grammar.py would shadow the
+`grammar` package).
+
+Uses the bench model's tokenizer (engine.demo.train_tokenizer(dir, "byte_bpe", 8192); the demo corpus
+caps the trained vocabulary below 8192, the real size is printed) and the 20 schemas of
+tests/grammar/schemas.json. xgrammar is timed as an outside reference for cold compiles only.
+Prints a table and writes JSON. Numbers are wall-clock on whatever machine runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    TokenizerInfo,
+    allocate_bitmask,
+    apply_bitmask,
+    fill_bitmasks,
+)
+
+SCHEMAS_FILE = Path(__file__).resolve().parent.parent / "tests" / "grammar" / "schemas.json"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def time_compiles(info: TokenizerInfo, backend: str, schemas: dict[str, dict]) -> dict:
+    compiler = GrammarCompiler(info, backend=backend, timeout_s=60)
+    cold, cached, refused = [], [], {}
+    for name, schema in schemas.items():
+        spec = GrammarSpec.json_schema(schema)
+        start = time.perf_counter()
+        try:
+            compiler.compile(spec)
+        except GrammarError as e:
+            refused[name] = str(e)
+            continue
+        cold.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        compiler.compile(spec)
+        cached.append(time.perf_counter() - start)
+    compiler.shutdown()
+    return {"compiled": len(cold), "refused": refused, "cold_ms": _stats(cold), "cached_ms": _stats(cached)}
+
+
+def time_xgrammar(tokenizer_dir: Path, info: TokenizerInfo, schemas: dict[str, dict]) -> dict:
+    try:
+        import xgrammar
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as e:
+        return {"error": f"not installed: {e}"}
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"))
+    xinfo = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=info.vocab_size,
+                                                    stop_token_ids=list(info.eos_token_ids))
+    compiler = xgrammar.GrammarCompiler(xinfo, max_threads=1, cache_enabled=False)
+    cold, failed = [], {}
+    for name, schema in schemas.items():
+        start = time.perf_counter()
+        try:
+            compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        except Exception as e:  # record and go on: this is an outside reference
+            failed[name] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        cold.append(time.perf_counter() - start)
+    return {"compiled": len(cold), "refused": failed, "cold_ms": _stats(cold)}
+
+
+def _stats(seconds: list[float]) -> dict:
+    if not seconds:
+        return {}
+    ms = [s * 1e3 for s in seconds]
+    return {"p50": percentile(ms, 0.5), "p90": percentile(ms, 0.9), "mean": statistics.fmean(ms)}
+
+
+def time_masks(info: TokenizerInfo, backend: str, schemas: dict[str, dict], batch: int, steps: int) -> dict:
+    """Per step: fill `batch` rows in one call + apply to (batch, padded vocab) logits; then sample."""
+    compiler = GrammarCompiler(info, backend=backend, timeout_s=60)
+    grammars = []
+    for schema in schemas.values():
+        try:
+            grammars.append(compiler.compile(GrammarSpec.json_schema(schema)))
+        except GrammarError:
+            continue
+    matchers = [grammars[i % len(grammars)].matcher() for i in range(batch)]
+    bitmask = allocate_bitmask(batch, info.vocab_size)
+    padded_vocab = (info.vocab_size + 63) // 64 * 64
+    generator = torch.Generator().manual_seed(0)
+    rows = list(range(batch))
+    fill_s, apply_s = [], []
+    for _ in range(steps):
+        logits = torch.randn(batch, padded_vocab, generator=generator)  # (batch, V_padded)
+        start = time.perf_counter()
+        fill_bitmasks(matchers, bitmask, rows)
+        middle = time.perf_counter()
+        apply_bitmask(logits, bitmask, rows)
+        fill_s.append(middle - start)
+        apply_s.append(time.perf_counter() - middle)
+        tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).flatten().tolist()
+        for i, token in enumerate(tokens):
+            matchers[i].accept_token(token)
+            if matchers[i].is_terminated() or token in info.eos_token_ids:
+                matchers[i] = grammars[i % len(grammars)].matcher()
+    compiler.shutdown()
+    return {"batch": batch, "fill_ms": _stats(fill_s), "apply_ms": _stats(apply_s)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer mask steps (smoke run)")
+    parser.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json (default: train the bench one)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "grammar.json")
+    args = parser.parse_args()
+    schemas = json.loads(SCHEMAS_FILE.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = args.tokenizer
+        if tokenizer_dir is None:
+            from engine.demo import train_tokenizer
+
+            tokenizer_dir = train_tokenizer(Path(tmp) / "bench", "byte_bpe", 8192)
+        info = TokenizerInfo.from_file(tokenizer_dir)
+        results: dict = {"vocab_size": info.vocab_size, "schemas": len(schemas), "compile": {}, "masks": {}}
+        for backend in ("llguidance", "outlines"):
+            results["compile"][backend] = time_compiles(info, backend, schemas)
+        results["compile"]["xgrammar (reference)"] = time_xgrammar(tokenizer_dir, info, schemas)
+        steps = 20 if args.quick else 200
+        for backend in ("llguidance", "outlines"):
+            results["masks"][backend] = [time_masks(info, backend, schemas, b, steps) for b in (1, 16, 64)]
+    print(f"vocab {info.vocab_size} (requested 8192), {len(schemas)} schemas, CPU torch {torch.__version__}")
+    print(f"{'backend':<22}{'compiled':>9}{'cold p50':>10}{'cold p90':>10}{'cached p50':>12}{'cached p90':>12}  (ms)")
+    for backend, row in results["compile"].items():
+        cold, cached = row.get("cold_ms", {}), row.get("cached_ms", {})
+        print(f"{backend:<22}{row.get('compiled', 0):>9}{cold.get('p50', float('nan')):>10.3f}"
+              f"{cold.get('p90', float('nan')):>10.3f}{cached.get('p50', float('nan')):>12.4f}"
+              f"{cached.get('p90', float('nan')):>12.4f}")
+    print(f"\n{'backend':<14}{'batch':>6}{'fill p50':>10}{'fill p90':>10}{'apply p50':>11}{'apply p90':>11}  (ms/step)")
+    for backend, rows in results["masks"].items():
+        for row in rows:
+            print(f"{backend:<14}{row['batch']:>6}{row['fill_ms']['p50']:>10.3f}{row['fill_ms']['p90']:>10.3f}"
+                  f"{row['apply_ms']['p50']:>11.3f}{row['apply_ms']['p90']:>11.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Streaming entry point for servers: the engine loop in its own thread, asyncio streams per request.
+
+The loop thread alone touches the LLMEngine. Callers post commands (add, abort) to an inbox; the loop
+drains it between steps, runs `step()`, and hands each RequestOutput to the caller's event loop. A
+fault inside a step fails the requests of that step with an error (releasing everything they hold) and
+the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import EngineStats, LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.request import AdapterRef, RequestStatus
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput | BaseException
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._stats = engine.stats()
+        self.step_count = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    # ----- public API -------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                       priority: int = 0, adapter: AdapterRef | None = None,
+                       cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+        """Stream outputs until the request finishes. Raises ValueError for a request that cannot run.
+
+        Leaving the iteration early (client disconnect, cancellation) aborts the request in the engine.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, priority=priority, adapter=adapter,
+                                        cache_salt=cache_salt)
+            except Exception as e:  # refused: hand the error to the caller, keep serving
+                self._deliver(request_id, e, final=True)
+
+        self._post(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._post(lambda: self._abort_now(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._post(lambda: self._abort_now(request_id))
+
+    def stats(self) -> EngineStats:
+        """Snapshot taken by the loop after its latest step (cheap, thread-safe)."""
+        return self._stats
+
+    def call_in_loop(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """Run fn(engine) on the loop thread between steps; await the returned future for its result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._post(run)
+        return fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ----- loop thread ------------------------------------------------------------------------------
+
+    def _post(self, cmd: Callable[[], None]) -> None:
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    def _abort_now(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            self._deliver(request_id, out, final=True)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, final: bool) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            while True:
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                cmd()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # an engine fault: fail what was in flight, release it all, go on
+                log.exception("engine step failed")
+                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                continue
+            self.step_count += 1
+            for out in outputs:
+                self._deliver(out.request_id, out, final=out.finished)
+            self._stats = self.engine.stats()
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            out = self.engine.fail_request(rid, message)
+            self._deliver(rid, out if out is not None else RuntimeError(message), final=True)
+        for rid in list(self.engine.scheduler.requests):  # anything not streamed through generate()
+            self.engine.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

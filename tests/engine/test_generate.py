@@ -1,0 +1,128 @@
+"""Continuous batching against transformers: preemption, chunked prefill, seeded sampling, n > 1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model_dir, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+    model = hf_greedy.cache.get(model_dir)
+    if model is None:
+        model = hf_greedy.cache[model_dir] = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=list(eos_ids), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+hf_greedy.cache = {}
+
+
+def test_batch_with_preemption_equals_transformers_alone(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=40, block_size=16, max_num_batched_tokens=512)
+    vocab = llm.engine.model_config.vocab_size
+    lengths = [1, 300, 7, 150, 64, 33, 280, 12, 99, 200, 2, 45, 250, 17, 128, 80]
+    prompts = random_prompts(vocab, lengths)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    eos = llm.tokenizer.eos_token_ids
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 24, eos)
+    llm.engine.scheduler.check_integrity()
+
+
+def test_chunked_prefill_equals_unchunked(llama_dir):
+    prompts = random_prompts(600, [5, 90, 130, 33, 64], seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    chunked = LLM(llama_dir, num_kv_blocks=128, max_num_batched_tokens=32)
+    whole = LLM(llama_dir, num_kv_blocks=128, max_num_batched_tokens=4096)
+    a = chunked.generate([{"prompt_token_ids": p} for p in prompts], params)
+    b = whole.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert chunked.engine.scheduler.stats.num_steps > whole.engine.scheduler.stats.num_steps
+
+
+def test_seeded_sampling_alone_equals_in_batch(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=128)
+    prompts = random_prompts(600, [12, 40, 7, 66, 23, 5, 80, 31], seed=5)
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate({"prompt_token_ids": prompts[0]}, seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=0.8, seed=i) for i in range(7)]
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], [seeded, *others])
+    assert batch[0].outputs[0].token_ids == alone
+    # and a different seed gives a different sample (the seed is really used)
+    other = llm.generate({"prompt_token_ids": prompts[0]},
+                         SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=99))
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_the_prompt(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=64)
+    out = llm.generate("hello world", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in out.outputs)
+
+
+def test_priority_runs_first_when_only_one_fits(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=64, max_num_seqs=1)
+    engine = llm.engine
+    p = SamplingParams(max_tokens=3, temperature=0.0)
+    engine.add_request("low", "hello world", p, priority=5)
+    engine.add_request("high", "hello world", p, priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_max_tokens_stop_token_and_ignore_eos(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=64)
+    base = llm.generate("the model", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    toks = base.outputs[0].token_ids
+    assert len(toks) == 12 and base.outputs[0].finish_reason == "length"
+    stop_tok = toks[4]
+    cut = llm.generate("the model", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                   stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert cut.token_ids == toks[: toks.index(stop_tok) + 1]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop_tok
+
+
+def test_logprobs_are_the_models_distribution(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=64)
+    prompt = [5, 6, 7, 8, 9]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=1, temperature=0.0, logprobs=3))[0].outputs[0]
+    logits = llm.engine.runner.prefill_logits(prompt)[-1]
+    ref = torch.log_softmax(logits, -1)
+    lp = out.logprobs[0]
+    assert lp.token_id == int(logits.argmax())
+    assert abs(lp.logprob - ref[lp.token_id].item()) < 1e-5
+    assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_bad_prompts_are_refused(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=8, block_size=16, max_model_len=512)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [10**6]})
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        llm.generate({"prompt_token_ids": [5] * 200})
+    with pytest.raises(ValueError, match="maximum context is 512"):
+        llm.generate({"prompt_token_ids": [5] * 600})
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []})
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,201 @@
+"""RedisQuotaBackend against a real redis-server: exact limits across processes, leases, budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from policies.quota import QuotaConfig, RefusalReason
+from policies.redis_quota import RedisQuotaBackend
+from policies.tenant_policy import TenantPolicy
+
+pytestmark = pytest.mark.redis
+
+GATEWAY_PROCESS = Path(__file__).with_name("redis_gateway_process.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+T0 = 1_750_000_000.0
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(GATEWAY_PROCESS), *args], cwd=REPO_ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+def run_two_gateways(url: str, now_arg: str, per_process: int) -> list[dict]:
+    procs = [spawn("hammer", url, now_arg, str(per_process)) for _ in range(2)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "ready"
+        for proc in procs:  # release both at once: their admits interleave in Redis
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = [json.loads(proc.stdout.readline()) for proc in procs]
+        for proc in procs:
+            assert proc.wait(timeout=20) == 0
+        return results
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_two_processes_admit_exactly_the_limit_at_fixed_time(redis_server):
+    """90 requests (45 per process) at the same instant: exactly 30 of 30 rpm, exactly 30 x 100 of 3000 tpm."""
+    results = run_two_gateways(redis_server.url, repr(T0), 45)
+    assert sum(r["rpm"] for r in results) == 30
+    assert sum(r["tpm"] for r in results) == 30
+    assert all(r["rpm"] > 0 for r in results), "both gateways should have won some admissions"
+
+
+def test_two_processes_on_redis_server_time(redis_server):
+    """Same with the server clock: accepted = 30 + whatever refilled (0.5/s) while the burst ran."""
+    results = run_two_gateways(redis_server.url, "server", 45)
+    burst_s = max(r["t1"] for r in results) - min(r["t0"] for r in results)
+    refill = math.floor(burst_s * 30 / 60)
+    for limited in ("rpm", "tpm"):
+        accepted = sum(r[limited] for r in results)
+        assert 30 <= accepted <= 30 + refill, (limited, accepted, burst_s)
+
+
+def test_concurrency_limit_holds_under_20_parallel_streams_on_two_clients(redis_server):
+    policy = TenantPolicy(max_concurrent_requests=2, requests_per_minute=100_000)
+
+    async def scenario() -> tuple[int, int, int]:
+        gateways = [RedisQuotaBackend.from_url(redis_server.url) for _ in range(2)]
+        holding = 0
+        peak = 0
+        completed = 0
+
+        async def stream(index: int) -> None:
+            nonlocal holding, peak, completed
+            backend = gateways[index % 2]
+            for _ in range(3):
+                while True:
+                    admission = await backend.admit("t", policy, 5, 5)
+                    if admission.granted:
+                        break
+                    assert admission.reason is RefusalReason.CONCURRENCY
+                    await asyncio.sleep(0.002)
+                holding += 1
+                peak = max(peak, holding)
+                usage = await backend.usage("t")
+                assert usage.in_flight <= 2
+                await asyncio.sleep(0.005)
+                holding -= 1
+                await backend.reconcile(admission.lease, 7)
+                assert await backend.release(admission.lease)
+                completed += 1
+
+        await asyncio.gather(*[stream(i) for i in range(20)])
+        final = await gateways[0].usage("t")
+        for gateway in gateways:
+            await gateway.close()
+        return peak, completed, final.in_flight
+
+    peak, completed, in_flight = asyncio.run(scenario())
+    assert peak == 2
+    assert completed == 60
+    assert in_flight == 0
+
+
+def test_killed_gateway_frees_its_leases_within_the_ttl(redis_server):
+    ttl = 1.0
+    holder = spawn("hold", redis_server.url, repr(ttl), "2")
+    try:
+        assert len(json.loads(holder.stdout.readline())) == 2
+        policy = TenantPolicy(max_concurrent_requests=2)
+
+        async def probe_until_granted() -> tuple[bool, float]:
+            backend = RedisQuotaBackend.from_url(redis_server.url, QuotaConfig(lease_ttl_s=ttl))
+            await asyncio.sleep(ttl * 1.5)  # longer than the ttl: the live holder's renewals keep both
+            still_held = not (await backend.admit("conc", policy, 1, 1)).granted
+            holder.kill()
+            holder.wait()
+            killed_at = time.monotonic()
+            while not (await backend.admit("conc", policy, 1, 1)).granted:
+                assert time.monotonic() - killed_at < ttl + 1.0, "lease not freed after the ttl"
+                await asyncio.sleep(0.02)
+            await backend.close()
+            return still_held, time.monotonic() - killed_at
+
+        still_held, freed_after = asyncio.run(probe_until_granted())
+        assert still_held
+        assert ttl * 0.5 <= freed_after <= ttl + 0.2
+    finally:
+        stop(holder)
+
+
+def test_budget_refuses_at_exactly_the_limit_and_reconcile_refunds(redis_server):
+    policy = TenantPolicy(daily_token_budget=1000, monthly_token_budget=5000, tokens_per_minute=100_000)
+
+    async def scenario() -> None:
+        backend = RedisQuotaBackend.from_url(redis_server.url)
+        first = await backend.admit("b", policy, 300, 300, T0)  # books 600
+        assert first.granted
+        assert (await backend.admit("b", policy, 200, 300, T0)).reason is RefusalReason.DAILY_BUDGET
+        assert await backend.reconcile(first.lease, 400, T0)  # 600 -> 400 booked
+        assert not await backend.reconcile(first.lease, 10, T0), "reconcile applies once"
+        second = await backend.admit("b", policy, 300, 300, T0)  # 400 + 600 == 1000: allowed
+        assert second.granted
+        usage = await backend.usage("b", T0)
+        assert (usage.day_tokens, usage.month_tokens) == (1000, 1000)
+        refused = await backend.admit("b", policy, 1, 0, T0)  # used == budget: refused
+        assert refused.reason is RefusalReason.DAILY_BUDGET
+        assert refused.reason.error_code == "insufficient_quota"
+        day_end = math.ceil(T0 / 86_400) * 86_400
+        assert refused.retry_after_s == pytest.approx(day_end - T0)
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_tokens_reconcile_refunds_bucket_and_headers_snapshot(redis_server):
+    policy = TenantPolicy(requests_per_minute=60, tokens_per_minute=6000, max_tokens_per_request=6000)
+
+    async def scenario() -> None:
+        backend = RedisQuotaBackend.from_url(redis_server.url)
+        admission = await backend.admit("k", policy, 1000, 4000, T0)
+        snap = admission.snapshot
+        assert (snap.remaining_requests, snap.remaining_tokens) == (59, 1000)
+        assert snap.reset_requests_s == pytest.approx(1.0)
+        assert snap.reset_tokens_s == pytest.approx(50.0)
+        refused = await backend.admit("k", policy, 1000, 1000, T0 + 1.0)  # bucket 1100 < 2000
+        assert refused.reason is RefusalReason.TOKENS
+        assert refused.retry_after_s == pytest.approx(9.0)
+        await backend.reconcile(admission.lease, 1500, T0 + 1.0)  # refund 3500 -> 4600
+        after = await backend.admit("k", policy, 1000, 1000, T0 + 1.0)
+        assert after.granted
+        assert after.snapshot.remaining_tokens == 2600
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_renew_extends_and_release_is_idempotent(redis_server):
+    policy = TenantPolicy(max_concurrent_requests=1)
+
+    async def scenario() -> None:
+        backend = RedisQuotaBackend.from_url(redis_server.url, QuotaConfig(lease_ttl_s=10.0))
+        lease = (await backend.admit("r", policy, 1, 1, T0)).lease
+        assert await backend.renew(lease, T0 + 9.0)  # now expires at T0 + 19
+        assert not (await backend.admit("r", policy, 1, 1, T0 + 18.0)).granted
+        assert not await backend.renew(lease, T0 + 19.5), "an expired lease cannot be renewed"
+        assert (await backend.admit("r", policy, 1, 1, T0 + 19.5)).granted
+        assert not await backend.release(lease)
+        await backend.close()
+
+    asyncio.run(scenario())
