@@ -16,4 +16,4 @@ lint: setup
 	.venv/bin/mypy
 
 bench: setup
-	.venv/bin/python bench/engine_throughput.py
+	.venv/bin/python -m bench.engine_throughput

@@ -37,6 +37,4 @@ def adapter_digest(config_bytes: bytes, weights_sha256: str) -> str:
 
 def is_sha256_hex(value: object) -> bool:
     """True for a 64-character lowercase hex string (what every digest here looks like)."""
-    return (
-        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-    )
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from adapters.adapter_files import (
     ADAPTER_README_FILE,
@@ -50,7 +50,9 @@ class ArchiveLimits:
             raise ValueError(f"max_compression_ratio must be >= 1, got {self.max_compression_ratio}")
 
 
-def unpack_adapter_archive(archive: str | Path, dest_dir: str | Path, limits: ArchiveLimits | None = None) -> Path:
+def unpack_adapter_archive(
+    archive: str | Path, dest_dir: str | Path, limits: ArchiveLimits | None = None
+) -> Path:
     """Unpack `archive` into the new directory `dest_dir` (which must not exist) and return it.
 
     The adapter files land directly in dest_dir (a single top-level directory is flattened). On any
@@ -93,7 +95,9 @@ def pack_adapter_dir(adapter_dir: str | Path, out_path: str | Path | None = None
     if not (src / ADAPTER_WEIGHTS_FILE).is_file():
         pickles = [p for p in PICKLE_WEIGHT_FILES if (src / p).exists()]
         if pickles:
-            raise AdapterError(f"{pickles[0]} is a pickle file; save the adapter with safe_serialization=True")
+            raise AdapterError(
+                f"{pickles[0]} is a pickle file; save the adapter with safe_serialization=True"
+            )
     files = [name for name in ACCEPTED_ARCHIVE_FILES if (src / name).is_file()]
     for required in REQUIRED_ADAPTER_FILES:
         if required not in files:
@@ -105,8 +109,11 @@ def pack_adapter_dir(adapter_dir: str | Path, out_path: str | Path | None = None
     else:
         out = Path(out_path)
     try:
-        with out.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz, \
-                tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        with (
+            out.open("wb") as raw,
+            gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz,
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+        ):
             for name in files:
                 info = tarfile.TarInfo(name)
                 info.size = (src / name).stat().st_size
@@ -146,14 +153,20 @@ class _MemberWriter:
     def file(self, raw_name: str, chunks: Iterator[bytes]) -> None:
         parts = _safe_parts(raw_name)
         if not parts or len(parts) > 2:
-            raise AdapterError(f"archive member {raw_name!r}: files must sit at the top level or in one directory")
+            raise AdapterError(
+                f"archive member {raw_name!r}: files must sit at the top level or in one directory"
+            )
         self._claim_top_dir(parts[0] if len(parts) == 2 else "", raw_name)
         name = parts[-1]
         if name in PICKLE_WEIGHT_FILES:
-            raise AdapterError(f"archive member {raw_name!r} is a pickle file, which loraplex never loads; "
-                               f"upload {ADAPTER_WEIGHTS_FILE}")
+            raise AdapterError(
+                f"archive member {raw_name!r} is a pickle file, which loraplex never loads; "
+                f"upload {ADAPTER_WEIGHTS_FILE}"
+            )
         if name not in ACCEPTED_ARCHIVE_FILES:
-            raise AdapterError(f"archive member {raw_name!r} is not accepted (only {', '.join(ACCEPTED_ARCHIVE_FILES)})")
+            raise AdapterError(
+                f"archive member {raw_name!r} is not accepted (only {', '.join(ACCEPTED_ARCHIVE_FILES)})"
+            )
         if name in self.written:
             raise AdapterError(f"archive holds {name} twice")
         self.written.add(name)
@@ -167,11 +180,15 @@ class _MemberWriter:
 
     def _check_sizes(self, raw_name: str, size: int) -> None:
         if size > self.limits.max_file_bytes:
-            raise AdapterError(f"archive member {raw_name!r} unpacks to more than {self.limits.max_file_bytes} bytes")
+            raise AdapterError(
+                f"archive member {raw_name!r} unpacks to more than {self.limits.max_file_bytes} bytes"
+            )
         if self.total_bytes > self.limits.max_total_bytes:
             raise AdapterError(f"archive unpacks to more than {self.limits.max_total_bytes} bytes")
-        if (self.total_bytes > self.limits.ratio_floor_bytes
-                and self.total_bytes > self.limits.max_compression_ratio * self.archive_bytes):
+        if (
+            self.total_bytes > self.limits.ratio_floor_bytes
+            and self.total_bytes > self.limits.max_compression_ratio * self.archive_bytes
+        ):
             raise AdapterError(
                 f"archive unpacks to more than {self.limits.max_compression_ratio:g} times its size "
                 "(refused as a possible archive bomb)"
@@ -181,14 +198,18 @@ class _MemberWriter:
         if self.top_dir is None:
             self.top_dir = top
         elif self.top_dir != top:
-            raise AdapterError("archive must hold the adapter files at its top level or inside one directory "
-                               f"(found {raw_name!r})")
+            raise AdapterError(
+                "archive must hold the adapter files at its top level or inside one directory "
+                f"(found {raw_name!r})"
+            )
 
 
 def _safe_parts(raw_name: str) -> list[str]:
     """Path components of a member name; refuses absolute paths, '..', backslashes and NUL bytes."""
     if "\x00" in raw_name or "\\" in raw_name:
-        raise AdapterError(f"archive member {raw_name!r}: backslashes and NUL bytes are not accepted in names")
+        raise AdapterError(
+            f"archive member {raw_name!r}: backslashes and NUL bytes are not accepted in names"
+        )
     if raw_name.startswith("/") or (len(raw_name) > 1 and raw_name[1] == ":"):
         raise AdapterError(f"archive member {raw_name!r}: absolute paths are not accepted")
     parts = [p for p in raw_name.split("/") if p not in ("", ".")]
@@ -205,15 +226,21 @@ def _unpack_tar(f: BinaryIO, writer: _MemberWriter, limits: ArchiveLimits) -> No
                 writer.count_member()
                 if member.issym() or member.islnk():
                     kind = "symlink" if member.issym() else "hardlink"
-                    raise AdapterError(f"archive member {member.name!r} is a {kind}; only regular files are accepted")
+                    raise AdapterError(
+                        f"archive member {member.name!r} is a {kind}; only regular files are accepted"
+                    )
                 if member.ischr() or member.isblk() or member.isfifo():
-                    raise AdapterError(f"archive member {member.name!r} is a device or fifo; only regular files are accepted")
+                    raise AdapterError(
+                        f"archive member {member.name!r} is a device or fifo; only regular files are accepted"
+                    )
                 if member.isdir():
                     writer.directory(member.name + "/")
                 elif member.isreg() and not member.issparse():
                     if member.size > limits.max_file_bytes:
-                        raise AdapterError(f"archive member {member.name!r} unpacks to more than "
-                                           f"{limits.max_file_bytes} bytes")
+                        raise AdapterError(
+                            f"archive member {member.name!r} unpacks to more than "
+                            f"{limits.max_file_bytes} bytes"
+                        )
                     data = tar.extractfile(member)
                     assert data is not None  # regular members always have data
                     writer.file(member.name, _chunks(data))
@@ -233,9 +260,13 @@ def _unpack_zip(f: BinaryIO, writer: _MemberWriter, limits: ArchiveLimits) -> No
                 writer.count_member()
                 mode = info.external_attr >> 16
                 if stat.S_ISLNK(mode):
-                    raise AdapterError(f"archive member {info.filename!r} is a symlink; only regular files are accepted")
+                    raise AdapterError(
+                        f"archive member {info.filename!r} is a symlink; only regular files are accepted"
+                    )
                 if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-                    raise AdapterError(f"archive member {info.filename!r} is a device or fifo; only regular files are accepted")
+                    raise AdapterError(
+                        f"archive member {info.filename!r} is a device or fifo; only regular files are accepted"
+                    )
                 if info.flag_bits & 0x1:
                     raise AdapterError(f"archive member {info.filename!r} is encrypted")
                 if info.is_dir():
@@ -249,6 +280,6 @@ def _unpack_zip(f: BinaryIO, writer: _MemberWriter, limits: ArchiveLimits) -> No
         raise AdapterError(f"archive is truncated or corrupt ({e or type(e).__name__})") from None
 
 
-def _chunks(data: BinaryIO) -> Iterator[bytes]:
+def _chunks(data: IO[bytes]) -> Iterator[bytes]:
     while chunk := data.read(_CHUNK_BYTES):
         yield chunk

@@ -49,8 +49,14 @@ def base_module_names(model_config: ModelConfig) -> tuple[str, ...]:
     names = ["model", "model.embed_tokens", "model.layers"]
     for layer in range(model_config.num_layers):
         prefix = f"model.layers.{layer}"
-        names += [prefix, f"{prefix}.self_attn", f"{prefix}.mlp", f"{prefix}.mlp.act_fn",
-                  f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
+        names += [
+            prefix,
+            f"{prefix}.self_attn",
+            f"{prefix}.mlp",
+            f"{prefix}.mlp.act_fn",
+            f"{prefix}.input_layernorm",
+            f"{prefix}.post_attention_layernorm",
+        ]
         if model_config.qk_norm:
             names += [f"{prefix}.self_attn.q_norm", f"{prefix}.self_attn.k_norm"]
         names += [module_path(layer, module) for module in LORA_TARGET_MODULES]
@@ -78,15 +84,23 @@ class PeftLoraConfig:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise AdapterError(f"adapter_config.json: r must be a positive integer, got {self.r!r}")
         if not _is_finite_number(self.lora_alpha):
-            raise AdapterError(f"adapter_config.json: lora_alpha must be a finite number, got {self.lora_alpha!r}")
+            raise AdapterError(
+                f"adapter_config.json: lora_alpha must be a finite number, got {self.lora_alpha!r}"
+            )
         for key, rank in self.rank_pattern.items():
             if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-                raise AdapterError(f"adapter_config.json: rank_pattern[{key!r}] must be a positive integer, got {rank!r}")
+                raise AdapterError(
+                    f"adapter_config.json: rank_pattern[{key!r}] must be a positive integer, got {rank!r}"
+                )
         for key, alpha in self.alpha_pattern.items():
             if not _is_finite_number(alpha):
-                raise AdapterError(f"adapter_config.json: alpha_pattern[{key!r}] must be a finite number, got {alpha!r}")
+                raise AdapterError(
+                    f"adapter_config.json: alpha_pattern[{key!r}] must be a finite number, got {alpha!r}"
+                )
         if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
-            raise AdapterError("adapter_config.json: layers_to_transform cannot be used when target_modules is a regex string")
+            raise AdapterError(
+                "adapter_config.json: layers_to_transform cannot be used when target_modules is a regex string"
+            )
         object.__setattr__(self, "rank_pattern", MappingProxyType(dict(self.rank_pattern)))
         object.__setattr__(self, "alpha_pattern", MappingProxyType(dict(self.alpha_pattern)))
         # Compile every tenant-supplied pattern now, so a bad one fails here with its field named.
@@ -140,7 +154,9 @@ class PeftLoraConfig:
         """
         names = base_module_names(model_config)
         if self.target_modules == ALL_LINEAR:
-            matched = [n for n in names if n.rsplit(".", 1)[-1] in LORA_TARGET_MODULES and not self._is_excluded(n)]
+            matched = [
+                n for n in names if n.rsplit(".", 1)[-1] in LORA_TARGET_MODULES and not self._is_excluded(n)
+            ]
         elif isinstance(self.target_modules, str):
             matched = [n for n in names if self._is_targeted(n)]
             self._check_matched(matched, f"target_modules regex {self.target_modules!r}")
@@ -159,13 +175,20 @@ class PeftLoraConfig:
                     )
                 self._check_matched(hits, f"target module {target!r}")
             matched = [n for n in names if self._is_targeted(n)]
-        by_path = {module_path(layer, m): (layer, m)
-                   for layer in range(model_config.num_layers) for m in LORA_TARGET_MODULES}
-        targets = sorted((by_path[n] for n in matched if n in by_path),
-                         key=lambda k: (k[0], LORA_TARGET_MODULES.index(k[1])))
+        by_path = {
+            module_path(layer, m): (layer, m)
+            for layer in range(model_config.num_layers)
+            for m in LORA_TARGET_MODULES
+        }
+        targets = sorted(
+            (by_path[n] for n in matched if n in by_path),
+            key=lambda k: (k[0], LORA_TARGET_MODULES.index(k[1])),
+        )
         if not targets:
-            raise AdapterError("adapter_config.json: the adapter targets no module of the base model "
-                               "(check target_modules, layers_to_transform and exclude_modules)")
+            raise AdapterError(
+                "adapter_config.json: the adapter targets no module of the base model "
+                "(check target_modules, layers_to_transform and exclude_modules)"
+            )
         return tuple(targets)
 
     def rank_for(self, key: ModuleKey) -> int:
@@ -178,7 +201,7 @@ class PeftLoraConfig:
         pattern = _first_pattern_key(self.alpha_pattern, module_path(*key))
         alpha = float(self.alpha_pattern[pattern] if pattern is not None else self.lora_alpha)
         rank = self.rank_for(key)
-        return alpha / rank
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def _is_excluded(self, name: str) -> bool:
         if isinstance(self.exclude_modules, str):
@@ -217,11 +240,15 @@ class PeftLoraConfig:
             if self._is_excluded(name):
                 continue
             if name in EMBEDDING_MODULES:
-                raise AdapterError(f"adapter_config.json: {what} targets {name} (LoRA on embeddings or lm_head "
-                                   "is not supported)")
+                raise AdapterError(
+                    f"adapter_config.json: {what} targets {name} (LoRA on embeddings or lm_head "
+                    "is not supported)"
+                )
             if name.rsplit(".", 1)[-1] not in LORA_TARGET_MODULES:
-                raise AdapterError(f"adapter_config.json: {what} targets {name}, which is not one of "
-                                   f"{', '.join(LORA_TARGET_MODULES)}")
+                raise AdapterError(
+                    f"adapter_config.json: {what} targets {name}, which is not one of "
+                    f"{', '.join(LORA_TARGET_MODULES)}"
+                )
 
 
 def _first_pattern_key(patterns: Mapping[str, Any], name: str) -> str | None:
@@ -271,8 +298,12 @@ def _layers_to_transform(value: Any) -> tuple[int, ...] | None:
     if value is None or value == []:
         return None
     values = [value] if isinstance(value, int) else value
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise AdapterError(f"adapter_config.json: layers_to_transform must be an integer or a list of integers, got {value!r}")
+    if not isinstance(values, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise AdapterError(
+            f"adapter_config.json: layers_to_transform must be an integer or a list of integers, got {value!r}"
+        )
     return tuple(values)
 
 
@@ -280,5 +311,7 @@ def _pattern_dict(value: Any, key: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise AdapterError(f"adapter_config.json: {key} must be an object mapping patterns to values, got {value!r}")
+        raise AdapterError(
+            f"adapter_config.json: {key} must be an object mapping patterns to values, got {value!r}"
+        )
     return dict(value)

@@ -102,7 +102,11 @@ def _read_adapter(
         raise AdapterError(f"{ADAPTER_CONFIG_FILE}: invalid JSON ({e})") from None
     config = PeftLoraConfig.from_dict(raw)
     declared = config.base_model_name_or_path
-    if accepted_base_models is not None and declared and not base_model_matches(declared, accepted_base_models):
+    if (
+        accepted_base_models is not None
+        and declared
+        and not base_model_matches(declared, accepted_base_models)
+    ):
         raise AdapterError(
             f"adapter was trained for base model {declared!r}, but this server serves "
             f"{', '.join(repr(a) for a in accepted_base_models)}"
@@ -183,7 +187,9 @@ def _collect_factors(
         if module not in LORA_TARGET_MODULES or module_path(layer, module).split(".")[3] != match["parent"]:
             raise AdapterError(f"weight {key} does not map to a LoRA projection of a Llama-family model")
         if layer >= num_layers:
-            raise AdapterError(f"weight {key} is for layer {layer}, but the base model has {num_layers} layers")
+            raise AdapterError(
+                f"weight {key} is for layer {layer}, but the base model has {num_layers} layers"
+            )
         if (layer, module) not in targets:
             raise AdapterError(
                 f"weight {key} is for {module_path(layer, module)}, which {ADAPTER_CONFIG_FILE} does not target"

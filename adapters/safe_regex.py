@@ -31,9 +31,13 @@ def compile_bounded_regex(pattern: str, field: str) -> re.Pattern[str]:
     MAX_REPETITIONS repetitions (polynomial backtracking).
     """
     if not isinstance(pattern, str):
-        raise AdapterError(f"adapter_config.json: {field} must be a string pattern, got {type(pattern).__name__}")
+        raise AdapterError(
+            f"adapter_config.json: {field} must be a string pattern, got {type(pattern).__name__}"
+        )
     if len(pattern) > MAX_PATTERN_CHARS:
-        raise AdapterError(f"adapter_config.json: {field} pattern is longer than {MAX_PATTERN_CHARS} characters")
+        raise AdapterError(
+            f"adapter_config.json: {field} pattern is longer than {MAX_PATTERN_CHARS} characters"
+        )
     try:
         parsed = sre_parser.parse(pattern)
         compiled = re.compile(pattern)
@@ -95,7 +99,9 @@ def _has_nested_repetition(items, inside_repeat: bool) -> bool:
                 return True
         elif op is sre_parser.GROUPREF_EXISTS:
             _, yes, no = arg
-            if _has_nested_repetition(yes, inside_repeat) or (no and _has_nested_repetition(no, inside_repeat)):
+            if _has_nested_repetition(yes, inside_repeat) or (
+                no and _has_nested_repetition(no, inside_repeat)
+            ):
                 return True
         elif op is sre_parser.ATOMIC_GROUP and _has_nested_repetition(arg, inside_repeat):
             return True

@@ -105,7 +105,9 @@ class AdapterStorage:
 
     def total_bytes(self) -> int:
         """Bytes of all stored adapter files (temporaries of writes in flight excluded)."""
-        return sum(f.stat().st_size for sha in self.digests() for f in (self.root / sha).iterdir() if f.is_file())
+        return sum(
+            f.stat().st_size for sha in self.digests() for f in (self.root / sha).iterdir() if f.is_file()
+        )
 
     def remove_stale_temporaries(self, older_than_seconds: float) -> int:
         """Erase `.tmp-*` directories (left by killed writers) not modified for `older_than_seconds`."""

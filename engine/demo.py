@@ -44,14 +44,27 @@ _SYMBOLS = ['{"', '":', '",', "}", "[", "]", ", ", ": ", "0", "1", "2", "3", "42
 
 
 def synthetic_corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
-    """Deterministic mixed text (English-like words, JSON-ish symbols, CJK and emoji) to train on."""
+    """Deterministic mixed text to train on: English-like words, a Zipf-distributed lexicon of
+    pseudo-words (enough distinct merges for an 8k vocabulary), JSON-ish symbols, CJK and emoji."""
     rng = random.Random(seed)
+    onsets, vowels, codas = "b c d f g h k l m n p r s t v w z ch sh th st tr pl".split(), "a e i o u ai ou ea".split(), [
+        "", "", "n", "r", "s", "t", "l", "nd", "st"]
+    lexicon = sorted({
+        "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3)))
+        for _ in range(6000)
+    })
+    weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]
     lines = []
     for _ in range(n_lines):
         parts = []
         for _ in range(rng.randint(4, 24)):
             r = rng.random()
-            parts.append(rng.choice(_WORDS) if r < 0.75 else rng.choice(_SYMBOLS if r < 0.9 else _UNICODE))
+            if r < 0.45:
+                parts.append(rng.choice(_WORDS))
+            elif r < 0.8:
+                parts.append(rng.choices(lexicon, weights)[0])
+            else:
+                parts.append(rng.choice(_SYMBOLS if r < 0.92 else _UNICODE))
         lines.append(" ".join(parts))
     return lines
 
@@ -66,7 +79,7 @@ def train_tokenizer(out_dir: str | Path, kind: TokenizerKind = "byte_bpe", vocab
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = synthetic_corpus()
+    corpus = synthetic_corpus(n_lines=4000 if vocab_size <= 2048 else 20000)
     if kind == "byte_bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import read_generation_config
+from engine.lora_slots import LoRASlots
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.plan import SampledToken
@@ -33,6 +35,11 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_evicted_blocks: int
     prefix_cache_blocks: int
+    lora_slot_loads: int = 0  # adapters copied into a device slot
+    lora_slot_evictions: int = 0  # resident adapters replaced to make room
+    lora_host_loads: int = 0  # adapter directories read into host memory (first loads and reloads)
+    lora_host_evictions: int = 0
+    lora_resident_adapters: tuple[str, ...] = ()  # names of the adapters now in device slots
 
 
 class LLMEngine:
@@ -46,17 +53,26 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.runner.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.lora = LoRASlots(config, self.model_config, self.runner.dtype, self.runner.device)
+        self.runner.lora = self.lora
+        # NOTE: other admission checks (grammar) must run before the LoRA one, which pins a slot.
+        self.scheduler.admission_check = self.lora.admission_check
+        self.scheduler.on_release = self.lora.on_release
+        self.scheduler.holdings_check = self.lora.check_integrity
 
     # ----- intake -----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
-                    adapter: AdapterRef | None = None, cache_salt: str = "") -> None:
+                    adapter: AdapterRef | str | None = None, cache_salt: str = "") -> None:
         """Queue a request; n > 1 becomes n sequences sharing the prompt (and its cached prefix).
 
-        Raises ValueError (naming the problem) for a prompt that can never be served.
+        `adapter`: the name of a loaded adapter (its current content) or that content's AdapterRef.
+        Raises ValueError (naming the problem) for a prompt that can never be served or an adapter that
+        is not loaded.
         """
         if self.outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self.lora.resolve(adapter)
         text, token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
@@ -72,6 +88,7 @@ class LLMEngine:
                 req = Request(cid, list(token_ids), child_params, self.tokenizer.eos_token_ids, priority=priority,
                               adapter=adapter, cache_salt=cache_salt)
                 self.scheduler.add_request(req)
+                self.lora.track(req)
                 added.append(cid)
         except ValueError:
             for cid in added:
@@ -119,6 +136,11 @@ class LLMEngine:
         outputs, stop_hits = self.outputs.process(updates)
         for child_id, stop in stop_hits:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
+        for child_id, reason in self.lora.take_load_failures():
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
+            failed = self.outputs.finish(child_id, RequestStatus.FINISHED_ERROR, reason)
+            if failed is not None:
+                outputs.append(failed)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -135,7 +157,37 @@ class LLMEngine:
             prefix_hit_tokens=pc.stats.hit_tokens if pc else 0,
             prefix_evicted_blocks=pc.stats.evicted_blocks if pc else 0,
             prefix_cache_blocks=pc.num_blocks if pc else 0,
+            lora_slot_loads=self.lora.stats.slot_loads,
+            lora_slot_evictions=self.lora.stats.slot_evictions,
+            lora_host_loads=self.lora.host.stats.host_loads,
+            lora_host_evictions=self.lora.host.stats.host_evictions,
+            lora_resident_adapters=tuple(ref.name for ref in self.lora.resident_adapters()),
         )
+
+    # ----- adapters ---------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path, *, sha256: str | None = None) -> AdapterRef:
+        """Validate a PEFT adapter directory against this model and register it under `name`.
+
+        Idempotent for the same name and content; new content under a known name serves new requests
+        while in-flight ones keep the old. Raises adapters.errors.AdapterError (a ValueError naming the
+        problem) and leaves nothing loaded when the adapter cannot be served. Thread-safe.
+        """
+        return self.lora.load_adapter(name, path, sha256=sha256)
+
+    def unload_adapter(self, name: str) -> AdapterRef:
+        """Refuse new requests for `name`; requests already using it finish. ValueError if unknown."""
+        return self.lora.unload_adapter(name)
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        """Keep `name` in its device slot and host memory once loaded there (never evicted)."""
+        self.lora.pin_adapter(name, pinned)
+
+    def wait_for_adapter_loads(self, timeout: float) -> None:
+        """Sleep up to `timeout` s while nothing runs and waiting requests wait only on adapter reads."""
+        deadline = time.monotonic() + timeout
+        while not self.scheduler.running and self.lora.has_pending_loads() and time.monotonic() < deadline:
+            time.sleep(0.002)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -72,10 +72,11 @@ class ModelRunner:
         return ModelOutput(self.sampler(logits, plan.sample_rows, mask))
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], lora_slot: int = -1) -> torch.Tensor:
         """Logits of every position of one prompt, computed in scratch blocks. For tests and tools.
 
-        Uses the last blocks of the pool; call only while the engine is idle.
+        Uses the last blocks of the pool; call only while the engine is idle. `lora_slot` >= 0 runs the
+        adapter resident in that slot (see LoRASlots.ensure_resident).
         """
         bs = self.config.block_size
         n_blocks = -(-len(token_ids) // bs)
@@ -88,5 +89,8 @@ class ModelRunner:
             slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(len(token_ids))], device=dev),
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        hidden = self.model.forward(ids, torch.arange(len(token_ids), device=dev), self.kv_caches, attn)
+        lora_ctx = None
+        if lora_slot >= 0 and self.lora is not None:
+            lora_ctx = self.lora.context_for_tokens([lora_slot] * len(token_ids))
+        hidden = self.model.forward(ids, torch.arange(len(token_ids), device=dev), self.kv_caches, attn, lora_ctx)
         return self.model.compute_logits(hidden)

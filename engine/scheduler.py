@@ -62,6 +62,7 @@ class Scheduler:
         self._lora_slots: dict[str, int] = {}  # request id -> LoRA slot it was admitted with
         self.admission_check: AdmissionCheck | None = None
         self.on_release: Callable[[Request], None] | None = None  # frees adapter pins, grammar state
+        self.holdings_check: Callable[[list[Request]], None] | None = None  # asserts on_release's side
 
     # ----- intake ----------------------------------------------------------------------------------
 
@@ -261,4 +262,7 @@ class Scheduler:
             self.on_release(req)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(list(self.requests.values()))
+        requests = list(self.requests.values())
+        self.kv.check_integrity(requests)
+        if self.holdings_check is not None:
+            self.holdings_check(requests)

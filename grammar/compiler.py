@@ -8,9 +8,11 @@ message names the problem (and the JSON pointer for schemas).
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits
@@ -49,6 +51,7 @@ class GrammarCompiler:
         self._pending: dict[tuple[str, str, str, str], Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._watchdog = _Watchdog()
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -89,10 +92,8 @@ class GrammarCompiler:
             self._pending[key] = outer
         started = time.monotonic()
         inner = self._pool.submit(self.backend.compile, spec)
-        timer = threading.Timer(self.timeout_s, self._expire, (key, outer, spec))
-        timer.daemon = True
-        timer.start()
-        inner.add_done_callback(lambda f: self._finish(key, outer, f, timer, started))
+        self._watchdog.watch(started + self.timeout_s, lambda: self._expire(key, outer, spec))
+        inner.add_done_callback(lambda f: self._finish(key, outer, f, started))
         return outer
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -106,9 +107,7 @@ class GrammarCompiler:
         self._settle(outer, error=GrammarError(
             f"{spec.kind} took longer than the compile time limit of {self.timeout_s:g} s"))
 
-    def _finish(self, key, outer: Future[CompiledGrammar], inner: Future, timer: threading.Timer,
-                started: float) -> None:
-        timer.cancel()
+    def _finish(self, key, outer: Future[CompiledGrammar], inner: Future, started: float) -> None:
         error = inner.exception()
         if error is None and time.monotonic() - started > self.timeout_s:
             error = GrammarError(f"{key[0]} took longer than the compile time limit of {self.timeout_s:g} s")
@@ -141,3 +140,38 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         """Stop accepting work; running compiles finish in the background."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._watchdog.stop()
+
+
+class _Watchdog:
+    """One daemon thread that runs each callback at its deadline (a Timer thread per compile
+    costs more than a whole llguidance compile). Callbacks must tolerate running after the work
+    is done: `_expire` only settles a future nobody settled yet."""
+
+    def __init__(self) -> None:
+        self._deadlines: list[tuple[float, int, Callable[[], None]]] = []
+        self._wake = threading.Condition()
+        self._count = 0
+        self._stopped = False
+        threading.Thread(target=self._run, name="grammar-watchdog", daemon=True).start()
+
+    def watch(self, deadline: float, callback: Callable[[], None]) -> None:
+        with self._wake:
+            self._count += 1
+            heapq.heappush(self._deadlines, (deadline, self._count, callback))
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
+                    self._wake.wait(self._deadlines[0][0] - time.monotonic() if self._deadlines else None)
+                if self._stopped:
+                    return
+                _, _, callback = heapq.heappop(self._deadlines)
+            callback()

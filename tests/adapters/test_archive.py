@@ -33,9 +33,13 @@ def write_tar(path: Path, members: list[tuple[str, bytes | None, bytes]], mode: 
     return path
 
 
-def adapter_tar(path: Path, prefix: str = "", extra: list[tuple[str, bytes | None, bytes]] = (), mode="w:gz") -> Path:
-    files = [(f"{prefix}adapter_config.json", CONFIG, tarfile.REGTYPE),
-             (f"{prefix}adapter_model.safetensors", WEIGHTS, tarfile.REGTYPE)]
+def adapter_tar(
+    path: Path, prefix: str = "", extra: list[tuple[str, bytes | None, bytes]] = (), mode="w:gz"
+) -> Path:
+    files = [
+        (f"{prefix}adapter_config.json", CONFIG, tarfile.REGTYPE),
+        (f"{prefix}adapter_model.safetensors", WEIGHTS, tarfile.REGTYPE),
+    ]
     return write_tar(path, [*files, *extra], mode)
 
 
@@ -56,9 +60,15 @@ def test_pack_then_unpack_round_trips_a_peft_adapter(make_peft_adapter, llama_di
     archive = pack_adapter_dir(adapter_dir, tmp_path / "bot.tar.gz")
     assert archive.read_bytes() == pack_adapter_dir(adapter_dir, tmp_path / "again.tar.gz").read_bytes()
     out = unpack_adapter_archive(archive, tmp_path / "unpacked")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     config = ModelConfig.from_pretrained(llama_dir)
-    assert validate_peft_adapter(out, config, name="a") == validate_peft_adapter(adapter_dir, config, name="a")
+    assert validate_peft_adapter(out, config, name="a") == validate_peft_adapter(
+        adapter_dir, config, name="a"
+    )
 
 
 def test_pack_to_a_temporary_file_and_refuse_pickles(make_peft_adapter, tmp_path) -> None:
@@ -87,33 +97,69 @@ def test_accepted_layouts(tmp_path, layout) -> None:
         adapter_tar(archive, mode="w")
     else:
         prefix = "d/" if layout == "zip-one-dir" else ""
-        write_zip(archive, [(f"{prefix}adapter_config.json", CONFIG, 0o100644),
-                            (f"{prefix}adapter_model.safetensors", WEIGHTS, None)])
+        write_zip(
+            archive,
+            [
+                (f"{prefix}adapter_config.json", CONFIG, 0o100644),
+                (f"{prefix}adapter_model.safetensors", WEIGHTS, None),
+            ],
+        )
     out = unpack_adapter_archive(archive, tmp_path / "out")
     assert (out / "adapter_config.json").read_bytes() == CONFIG
     assert (out / "adapter_model.safetensors").read_bytes() == WEIGHTS
 
 
 REJECTED_TARS = {
-    "traversal": (lambda p: adapter_tar(p, extra=[("../evil.json", b"x", tarfile.REGTYPE)]), r"'\.\.' path components"),
+    "traversal": (
+        lambda p: adapter_tar(p, extra=[("../evil.json", b"x", tarfile.REGTYPE)]),
+        r"'\.\.' path components",
+    ),
     "traversal-in-dir": (lambda p: adapter_tar(p, "d/../../"), r"'\.\.' path components"),
     "absolute": (lambda p: adapter_tar(p, "/tmp/"), r"absolute paths are not accepted"),
-    "symlink": (lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.SYMTYPE)]), r"'README.md' is a symlink"),
-    "hardlink": (lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.LNKTYPE)]), r"'README.md' is a hardlink"),
-    "device": (lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.CHRTYPE)]), r"is a device or fifo"),
+    "symlink": (
+        lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.SYMTYPE)]),
+        r"'README.md' is a symlink",
+    ),
+    "hardlink": (
+        lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.LNKTYPE)]),
+        r"'README.md' is a hardlink",
+    ),
+    "device": (
+        lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.CHRTYPE)]),
+        r"is a device or fifo",
+    ),
     "fifo": (lambda p: adapter_tar(p, extra=[("README.md", None, tarfile.FIFOTYPE)]), r"is a device or fifo"),
-    "other-file": (lambda p: adapter_tar(p, extra=[("run.sh", b"#!", tarfile.REGTYPE)]), r"'run.sh' is not accepted"),
-    "pickle": (lambda p: adapter_tar(p, extra=[("adapter_model.bin", b"\x80", tarfile.REGTYPE)]), r"is a pickle file"),
-    "duplicate": (lambda p: adapter_tar(p, extra=[("adapter_config.json", b"{}", tarfile.REGTYPE)]),
-                  r"holds adapter_config.json twice"),
+    "other-file": (
+        lambda p: adapter_tar(p, extra=[("run.sh", b"#!", tarfile.REGTYPE)]),
+        r"'run.sh' is not accepted",
+    ),
+    "pickle": (
+        lambda p: adapter_tar(p, extra=[("adapter_model.bin", b"\x80", tarfile.REGTYPE)]),
+        r"is a pickle file",
+    ),
+    "duplicate": (
+        lambda p: adapter_tar(p, extra=[("adapter_config.json", b"{}", tarfile.REGTYPE)]),
+        r"holds adapter_config.json twice",
+    ),
     "nested-dir": (lambda p: adapter_tar(p, "a/b/"), r"files must sit at the top level or in one directory"),
-    "two-top-dirs": (lambda p: write_tar(p, [("a/adapter_config.json", CONFIG, tarfile.REGTYPE),
-                                              ("b/adapter_model.safetensors", WEIGHTS, tarfile.REGTYPE)]),
-                     r"at its top level or inside one directory \(found 'b/adapter_model.safetensors'\)"),
-    "missing-weights": (lambda p: write_tar(p, [("adapter_config.json", CONFIG, tarfile.REGTYPE)]),
-                        r"archive has no adapter_model.safetensors"),
-    "too-many-members": (lambda p: write_tar(p, [("./", None, tarfile.DIRTYPE)] * 17),
-                         r"more than 16 entries"),
+    "two-top-dirs": (
+        lambda p: write_tar(
+            p,
+            [
+                ("a/adapter_config.json", CONFIG, tarfile.REGTYPE),
+                ("b/adapter_model.safetensors", WEIGHTS, tarfile.REGTYPE),
+            ],
+        ),
+        r"at its top level or inside one directory \(found 'b/adapter_model.safetensors'\)",
+    ),
+    "missing-weights": (
+        lambda p: write_tar(p, [("adapter_config.json", CONFIG, tarfile.REGTYPE)]),
+        r"archive has no adapter_model.safetensors",
+    ),
+    "too-many-members": (
+        lambda p: write_tar(p, [("./", None, tarfile.DIRTYPE)] * 17),
+        r"more than 16 entries",
+    ),
     "not-an-archive": (lambda p: p.write_bytes(b"just some bytes" * 100), r"unsupported archive format"),
 }
 
@@ -150,13 +196,22 @@ def test_rejected_zips_leave_nothing(tmp_path, members, message) -> None:
 def test_compression_bomb_is_stopped_by_ratio(tmp_path, kind) -> None:
     zeros = bytes(8 << 20)  # 8 MiB of zeros packs into a few KiB
     if kind == "zip":
-        archive = write_zip(tmp_path / "bomb", [("adapter_config.json", CONFIG, None),
-                                                ("adapter_model.safetensors", zeros, None)])
+        archive = write_zip(
+            tmp_path / "bomb",
+            [("adapter_config.json", CONFIG, None), ("adapter_model.safetensors", zeros, None)],
+        )
     else:
-        archive = write_tar(tmp_path / "bomb", [("adapter_config.json", CONFIG, tarfile.REGTYPE),
-                                                ("adapter_model.safetensors", zeros, tarfile.REGTYPE)])
+        archive = write_tar(
+            tmp_path / "bomb",
+            [
+                ("adapter_config.json", CONFIG, tarfile.REGTYPE),
+                ("adapter_model.safetensors", zeros, tarfile.REGTYPE),
+            ],
+        )
     assert archive.stat().st_size < 64 << 10
-    with pytest.raises(AdapterError, match=r"unpacks to more than 100 times its size \(refused as a possible archive bomb\)"):
+    with pytest.raises(
+        AdapterError, match=r"unpacks to more than 100 times its size \(refused as a possible archive bomb\)"
+    ):
         unpack_adapter_archive(archive, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -172,13 +227,17 @@ def test_size_limits_per_file_and_in_total(tmp_path) -> None:
 
 def test_zip_header_that_lies_about_sizes_is_caught_while_reading(tmp_path) -> None:
     """A zip whose central directory claims 10 bytes for a bigger member is refused, not half-written."""
-    archive = write_zip(tmp_path / "liar.zip", [("adapter_config.json", CONFIG, None),
-                                                ("adapter_model.safetensors", WEIGHTS, None)])
+    archive = write_zip(
+        tmp_path / "liar.zip",
+        [("adapter_config.json", CONFIG, None), ("adapter_model.safetensors", WEIGHTS, None)],
+    )
     data = bytearray(archive.read_bytes())
     central = data.rindex(b"PK\x01\x02")  # the last central directory entry: adapter_model.safetensors
-    data[central + 24:central + 28] = (10).to_bytes(4, "little")  # uncompressed size field
+    data[central + 24 : central + 28] = (10).to_bytes(4, "little")  # uncompressed size field
     archive.write_bytes(bytes(data))
-    with pytest.raises(AdapterError, match=r"archive is truncated or corrupt \(Bad CRC-32 for file 'adapter_model"):
+    with pytest.raises(
+        AdapterError, match=r"archive is truncated or corrupt \(Bad CRC-32 for file 'adapter_model"
+    ):
         unpack_adapter_archive(archive, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

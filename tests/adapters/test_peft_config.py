@@ -21,7 +21,9 @@ TARGET_CASES = {
     "layers-list": dict(target_modules=["q_proj", "gate_proj"], layers_to_transform=[0, 2]),
     "layers-int-and-pattern": dict(target_modules=["k_proj"], layers_to_transform=2, layers_pattern="layers"),
     "layers-foreign-pattern": dict(target_modules=["k_proj"], layers_to_transform=2, layers_pattern="h"),
-    "exclude-list": dict(target_modules=["q_proj", "v_proj"], exclude_modules=["model.layers.1.self_attn.q_proj"]),
+    "exclude-list": dict(
+        target_modules=["q_proj", "v_proj"], exclude_modules=["model.layers.1.self_attn.q_proj"]
+    ),
 }
 
 
@@ -37,7 +39,8 @@ def test_targets_agree_with_peft(three_layer_config, kwargs) -> None:
 
     peft_config = LoraConfig(r=4, **kwargs)
     expected = {
-        name for name in base_module_names(three_layer_config)
+        name
+        for name in base_module_names(three_layer_config)
         if bool(check_target_module_exists(peft_config, name))  # excluded modules are falsy in PEFT
     }
     ours = PeftLoraConfig.from_dict({"r": 4, **_jsonable(kwargs)})
@@ -59,10 +62,16 @@ def test_rank_and_alpha_patterns_follow_peft_get_pattern_key(three_layer_config)
 
     rank_pattern = {r"layers\.1\.self_attn\.q_proj": 2, "q_proj": 6, "down_proj": 3}
     alpha_pattern = {"mlp.down_proj": 1.5}
-    config = PeftLoraConfig.from_dict({
-        "r": 8, "lora_alpha": 16, "use_rslora": False, "target_modules": ["q_proj", "down_proj", "up_proj"],
-        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-    })
+    config = PeftLoraConfig.from_dict(
+        {
+            "r": 8,
+            "lora_alpha": 16,
+            "use_rslora": False,
+            "target_modules": ["q_proj", "down_proj", "up_proj"],
+            "rank_pattern": rank_pattern,
+            "alpha_pattern": alpha_pattern,
+        }
+    )
     for key in config.resolve_targets(three_layer_config):
         name = module_path(*key)
         rank = rank_pattern.get(get_pattern_key(rank_pattern.keys(), name), 8)
@@ -73,7 +82,9 @@ def test_rank_and_alpha_patterns_follow_peft_get_pattern_key(three_layer_config)
 
 
 def test_rslora_scaling() -> None:
-    config = PeftLoraConfig.from_dict({"r": 16, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj"]})
+    config = PeftLoraConfig.from_dict(
+        {"r": 16, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj"]}
+    )
     assert config.scaling_for((0, "q_proj")) == pytest.approx(8 / math.sqrt(16))
     plain = PeftLoraConfig.from_dict({"r": 16, "lora_alpha": 8, "target_modules": ["q_proj"]})
     assert plain.scaling_for((0, "q_proj")) == pytest.approx(0.5)
@@ -96,21 +107,39 @@ FIELD_ERRORS = {
     "missing-targets": ({"r": 4}, r"required field 'target_modules' is missing"),
     "empty-targets": ({"r": 4, "target_modules": []}, r"target_modules is empty"),
     "bool-rank": ({"r": True, "target_modules": ["q_proj"]}, r"r must be a positive integer"),
-    "nan-alpha": ({"r": 4, "lora_alpha": float("nan"), "target_modules": ["q_proj"]}, r"lora_alpha must be a finite"),
-    "string-flag": ({"r": 4, "use_rslora": "yes", "target_modules": ["q_proj"]}, r"use_rslora must be true or false"),
-    "bad-rank-pattern": ({"r": 4, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": -1}},
-                         r"rank_pattern\['q_proj'\] must be a positive integer"),
-    "bad-layers": ({"r": 4, "target_modules": ["q_proj"], "layers_to_transform": ["0"]},
-                   r"layers_to_transform must be an integer or a list of integers"),
-    "layers-with-regex": ({"r": 4, "target_modules": ".*q_proj", "layers_to_transform": [0]},
-                          r"layers_to_transform cannot be used when target_modules is a regex"),
+    "nan-alpha": (
+        {"r": 4, "lora_alpha": float("nan"), "target_modules": ["q_proj"]},
+        r"lora_alpha must be a finite",
+    ),
+    "string-flag": (
+        {"r": 4, "use_rslora": "yes", "target_modules": ["q_proj"]},
+        r"use_rslora must be true or false",
+    ),
+    "bad-rank-pattern": (
+        {"r": 4, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": -1}},
+        r"rank_pattern\['q_proj'\] must be a positive integer",
+    ),
+    "bad-layers": (
+        {"r": 4, "target_modules": ["q_proj"], "layers_to_transform": ["0"]},
+        r"layers_to_transform must be an integer or a list of integers",
+    ),
+    "layers-with-regex": (
+        {"r": 4, "target_modules": ".*q_proj", "layers_to_transform": [0]},
+        r"layers_to_transform cannot be used when target_modules is a regex",
+    ),
     "invalid-regex": ({"r": 4, "target_modules": "(q_proj"}, r"target_modules is not a valid regex"),
-    "redos-rank-pattern": ({"r": 4, "target_modules": ["q_proj"], "rank_pattern": {"(ab|a)*c": 2}},
-                           r"rank_pattern key regex .* nests a repetition"),
-    "layer-replication": ({"r": 4, "target_modules": ["q_proj"], "layer_replication": [[0, 1]]},
-                          r"layer_replication is not supported"),
-    "trainable-tokens": ({"r": 4, "target_modules": ["q_proj"], "trainable_token_indices": [1, 2]},
-                         r"trainable_token_indices \(embedding changes\) is not supported"),
+    "redos-rank-pattern": (
+        {"r": 4, "target_modules": ["q_proj"], "rank_pattern": {"(ab|a)*c": 2}},
+        r"rank_pattern key regex .* nests a repetition",
+    ),
+    "layer-replication": (
+        {"r": 4, "target_modules": ["q_proj"], "layer_replication": [[0, 1]]},
+        r"layer_replication is not supported",
+    ),
+    "trainable-tokens": (
+        {"r": 4, "target_modules": ["q_proj"], "trainable_token_indices": [1, 2]},
+        r"trainable_token_indices \(embedding changes\) is not supported",
+    ),
 }
 
 

@@ -54,12 +54,20 @@ ACCEPTED_CONFIGS = {
     "regex-string": dict(r=4, lora_alpha=8, target_modules=r".*\.(q|v|down)_proj"),
     "all-linear": dict(r=2, lora_alpha=4, target_modules="all-linear"),
     "layers-to-transform": dict(r=8, target_modules=["q_proj", "o_proj"], layers_to_transform=[1]),
-    "layers-pattern-int": dict(r=8, target_modules=["k_proj"], layers_to_transform=0, layers_pattern="layers"),
-    "rank-and-alpha-pattern": dict(r=8, lora_alpha=16, target_modules=["q_proj", "down_proj", "up_proj"],
-                                   use_rslora=True, rank_pattern={"q_proj": 4, r"layers\.1\.mlp\.up_proj": 2},
-                                   alpha_pattern={"down_proj": 3}),
-    "exclude-modules": dict(r=4, target_modules=["q_proj", "v_proj"],
-                            exclude_modules=["model.layers.0.self_attn.v_proj"]),
+    "layers-pattern-int": dict(
+        r=8, target_modules=["k_proj"], layers_to_transform=0, layers_pattern="layers"
+    ),
+    "rank-and-alpha-pattern": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "down_proj", "up_proj"],
+        use_rslora=True,
+        rank_pattern={"q_proj": 4, r"layers\.1\.mlp\.up_proj": 2},
+        alpha_pattern={"down_proj": 3},
+    ),
+    "exclude-modules": dict(
+        r=4, target_modules=["q_proj", "v_proj"], exclude_modules=["model.layers.0.self_attn.v_proj"]
+    ),
 }
 
 
@@ -83,7 +91,9 @@ def test_other_families_with_their_own_shapes(make_peft_adapter, hf_base_models,
 
 
 def test_manifest_describes_the_adapter(make_peft_adapter, llama_dir) -> None:
-    adapter_dir, _ = make_peft_adapter(r=8, target_modules=["q_proj", "gate_proj"], rank_pattern={"gate_proj": 2})
+    adapter_dir, _ = make_peft_adapter(
+        r=8, target_modules=["q_proj", "gate_proj"], rank_pattern={"gate_proj": 2}
+    )
     config = ModelConfig.from_pretrained(llama_dir)
     adapter = load_peft_adapter(adapter_dir, config, name="support-bot", max_lora_rank=8)
     weights = (adapter_dir / "adapter_model.safetensors").read_bytes()
@@ -95,7 +105,9 @@ def test_manifest_describes_the_adapter(make_peft_adapter, llama_dir) -> None:
     assert adapter.rank == 8 and m.module_ranks[(0, "gate_proj")] == 2
     assert adapter.target_modules == ("q_proj", "gate_proj") and m.layers == (0, 1)
     assert adapter.size_bytes == len(weights)
-    assert m.num_parameters == sum(t.numel() for t in load_file(adapter_dir / "adapter_model.safetensors").values())
+    assert m.num_parameters == sum(
+        t.numel() for t in load_file(adapter_dir / "adapter_model.safetensors").values()
+    )
     assert adapter.base_model_name_or_path == str(llama_dir)
     assert adapter.module(0, "k_proj") is None
     assert validate_peft_adapter(adapter_dir, config, name="support-bot", max_lora_rank=8) == m
@@ -186,7 +198,9 @@ def test_pickle_weights_are_never_opened(make_peft_adapter, llama_dir, tmp_path)
     (adapter_dir / "adapter_model.safetensors").unlink()
     sentinel = tmp_path / "unpickled"
     (adapter_dir / "adapter_model.bin").write_bytes(pickle.dumps(_TouchOnUnpickle(sentinel)))
-    with pytest.raises(AdapterError, match=r"^adapter_model.bin is a pickle file, which loraplex never loads"):
+    with pytest.raises(
+        AdapterError, match=r"^adapter_model.bin is a pickle file, which loraplex never loads"
+    ):
         load_peft_adapter(adapter_dir, ModelConfig.from_pretrained(llama_dir), name="a")
     assert not sentinel.exists()
 
@@ -205,12 +219,20 @@ def test_missing_files(make_peft_adapter, llama_dir, tmp_path) -> None:
 
 
 PEFT_MADE_REJECTIONS = {
-    "modules-to-save": (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), r"modules_to_save"),
+    "modules-to-save": (
+        dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        r"modules_to_save \(fully trained extra modules\) is not supported",
+    ),
     "dora": (dict(target_modules=["q_proj"], use_dora=True), r"DoRA \(use_dora\) is not supported"),
     "bias-all": (dict(target_modules=["q_proj"], bias="all"), r"bias 'all' is not supported"),
-    "bias-lora-only": (dict(target_modules=["q_proj"], bias="lora_only"), r"bias 'lora_only' is not supported"),
-    "embedding-target": (dict(target_modules=["q_proj", "embed_tokens"]),
-                         r"target module 'embed_tokens' targets model.embed_tokens \(LoRA on embeddings"),
+    "bias-lora-only": (
+        dict(target_modules=["q_proj"], bias="lora_only"),
+        r"bias 'lora_only' is not supported",
+    ),
+    "embedding-target": (
+        dict(target_modules=["q_proj", "embed_tokens"]),
+        r"target module 'embed_tokens' targets model.embed_tokens \(LoRA on embeddings",
+    ),
 }
 
 
@@ -225,7 +247,10 @@ CONFIG_EDIT_REJECTIONS = {
     "unknown-target": (dict(target_modules=["c_attn"]), r"unknown target module 'c_attn'"),
     "lm-head-target": (dict(target_modules=["q_proj", "lm_head"]), r"targets lm_head \(LoRA on embeddings"),
     "norm-target": (dict(target_modules="model.norm"), r"targets model.norm, which is not one of"),
-    "regex-matches-nothing": (dict(target_modules=r".*\.c_attn"), r"regex '.*\\\\.c_attn' matches no projection"),
+    "regex-matches-nothing": (
+        dict(target_modules=r".*\.c_attn"),
+        r"regex '.*\\\\.c_attn' matches no projection",
+    ),
     "redos-regex": (dict(target_modules=r"(.*q)+_proj"), r"target_modules regex .* nests a repetition"),
     "lora-bias": (dict(lora_bias=True), r"lora_bias \(a bias on lora_B\) is not supported"),
     "peft-type": (dict(peft_type="IA3"), r"peft_type 'IA3' is not supported"),
@@ -233,7 +258,9 @@ CONFIG_EDIT_REJECTIONS = {
 }
 
 
-@pytest.mark.parametrize("changes, message", CONFIG_EDIT_REJECTIONS.values(), ids=CONFIG_EDIT_REJECTIONS.keys())
+@pytest.mark.parametrize(
+    "changes, message", CONFIG_EDIT_REJECTIONS.values(), ids=CONFIG_EDIT_REJECTIONS.keys()
+)
 def test_rejects_bad_configs(make_peft_adapter, llama_dir, changes, message) -> None:
     adapter_dir, _ = make_peft_adapter(r=4, target_modules=["q_proj"])
     edit_config(adapter_dir, **changes)
@@ -254,18 +281,24 @@ def test_rejects_invalid_json_and_invalid_safetensors(make_peft_adapter, llama_d
 
 def test_rejects_shapes_that_do_not_fit_the_base_model(make_peft_adapter, llama_dir) -> None:
     adapter_dir, _ = make_peft_adapter("qwen3", r=4, target_modules=["q_proj"])  # qwen3 q_proj: 64 -> 128
-    with pytest.raises(AdapterError, match=(
-        r"^tensor base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight has shape \(128, 4\), "
-        r"but the base model needs \(64, 4\)$"
-    )):
+    with pytest.raises(
+        AdapterError,
+        match=(
+            r"^tensor base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight has shape \(128, 4\), "
+            r"but the base model needs \(64, 4\)$"
+        ),
+    ):
         validate_peft_adapter(adapter_dir, ModelConfig.from_pretrained(llama_dir), name="a")
 
 
 def test_rejects_rank_above_max_lora_rank(make_peft_adapter, llama_dir) -> None:
     adapter_dir, _ = make_peft_adapter(r=4, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 16})
-    with pytest.raises(AdapterError, match=(
-        r"adapter rank 16 \(at model.layers.0.self_attn.v_proj\) is above this server's max_lora_rank 8"
-    )):
+    with pytest.raises(
+        AdapterError,
+        match=(
+            r"adapter rank 16 \(at model.layers.0.self_attn.v_proj\) is above this server's max_lora_rank 8"
+        ),
+    ):
         validate_peft_adapter(adapter_dir, ModelConfig.from_pretrained(llama_dir), name="a", max_lora_rank=8)
 
 
@@ -283,24 +316,45 @@ def test_rejects_nan_and_inf_naming_the_tensor(make_peft_adapter, llama_dir, bad
 
 
 KEY_EDIT_REJECTIONS = {
-    "missing-lora-b": (lambda t: t.pop("base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"),
-                       r"weight base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight is missing "
-                       r"\(model.layers.1.self_attn.q_proj needs both lora_A and lora_B\)"),
-    "unmapped-key": (lambda t: t.update({"base_model.model.model.rotary.lora_A.weight": torch.zeros(4, 4)}),
-                     r"weight key 'base_model.model.model.rotary.lora_A.weight' does not map to a LoRA module"),
-    "wrong-parent": (lambda t: t.update({"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 4)}),
-                     r"does not map to a LoRA projection"),
-    "layer-out-of-range": (lambda t: t.update({"base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight":
-                                               torch.zeros(4, 64)}),
-                           r"is for layer 7, but the base model has 2 layers"),
-    "untargeted-module": (lambda t: t.update({"base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight":
-                                              torch.zeros(4, 64)}),
-                          r"is for model.layers.0.self_attn.k_proj, which adapter_config.json does not target"),
-    "embedding-weights": (lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)}),
-                          r"adapts an embedding or lm_head"),
-    "integer-dtype": (lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
-                                          torch.zeros(4, 64, dtype=torch.int32)}),
-                      r"has dtype torch.int32; expected a float dtype"),
+    "missing-lora-b": (
+        lambda t: t.pop("base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"),
+        r"weight base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight is missing "
+        r"\(model.layers.1.self_attn.q_proj needs both lora_A and lora_B\)",
+    ),
+    "unmapped-key": (
+        lambda t: t.update({"base_model.model.model.rotary.lora_A.weight": torch.zeros(4, 4)}),
+        r"weight key 'base_model.model.model.rotary.lora_A.weight' does not map to a LoRA module",
+    ),
+    "wrong-parent": (
+        lambda t: t.update({"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 4)}),
+        r"does not map to a LoRA projection",
+    ),
+    "layer-out-of-range": (
+        lambda t: t.update(
+            {"base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)}
+        ),
+        r"is for layer 7, but the base model has 2 layers",
+    ),
+    "untargeted-module": (
+        lambda t: t.update(
+            {"base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight": torch.zeros(4, 64)}
+        ),
+        r"is for model.layers.0.self_attn.k_proj, which adapter_config.json does not target",
+    ),
+    "embedding-weights": (
+        lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)}),
+        r"adapts an embedding or lm_head",
+    ),
+    "integer-dtype": (
+        lambda t: t.update(
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(
+                    4, 64, dtype=torch.int32
+                )
+            }
+        ),
+        r"has dtype torch.int32; expected a float dtype",
+    ),
 }
 
 
@@ -315,7 +369,9 @@ def test_rejects_bad_weight_keys(make_peft_adapter, llama_dir, edit, message) ->
 def test_adapter_trained_on_fewer_layers_is_missing_weights(make_peft_adapter, make_model) -> None:
     adapter_dir, _ = make_peft_adapter(r=4, target_modules=["o_proj"])
     deeper = ModelConfig.from_pretrained(make_model("llama", num_hidden_layers=3))
-    with pytest.raises(AdapterError, match=rf"weight base_model.model.{module_path(2, 'o_proj')}.lora_A.weight is missing"):
+    with pytest.raises(
+        AdapterError, match=rf"weight base_model.model.{module_path(2, 'o_proj')}.lora_A.weight is missing"
+    ):
         validate_peft_adapter(adapter_dir, deeper, name="a")
 
 

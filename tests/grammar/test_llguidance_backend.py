@@ -6,33 +6,21 @@ the masked distribution; plus regex, choice and json_object.
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from grammar import GrammarSpec
-from conftest import KINDS, decode
+from tests.grammar.constrained_sampling import KINDS, decode, validate
+from tests.grammar.constrained_sampling import sample_constrained as sample
 
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "schemas.json").read_text())
 SEEDS = range(10)
-_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$", re.ASCII)
-
-
-def validate(value, schema: dict) -> None:
-    jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-    if schema.get("format") == "date-time":  # jsonschema skips date-time without rfc3339-validator
-        assert _RFC3339.match(value), value
-        leap_second_as_59 = value[:17] + "59" + value[19:] if value[17:19] == "60" else value  # RFC 3339 allows :60
-        datetime.datetime.fromisoformat(leap_second_as_59.upper())
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_schema_outputs_validate(name, kind, compilers, tokenizer_infos, tokenizers, sample):
+def test_schema_outputs_validate(name, kind, compilers, tokenizer_infos, tokenizers):
     schema = SCHEMAS[name]
     compiled = compilers(kind).compile(GrammarSpec.json_schema(schema))
     stops = 0
@@ -50,7 +38,7 @@ REGEXES = [r"[a-z]{2,6}", r"(yes|no|maybe)!?", r"-?[0-9]{1,4}\.[0-9]{2}", r"[A-F
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_regex_outputs_match(kind, compilers, tokenizer_infos, tokenizers, sample):
+def test_regex_outputs_match(kind, compilers, tokenizer_infos, tokenizers):
     for pattern in REGEXES:
         compiled = compilers(kind).compile(GrammarSpec.regex(pattern))
         finished = 0
@@ -64,7 +52,7 @@ def test_regex_outputs_match(kind, compilers, tokenizer_infos, tokenizers, sampl
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_choice_outputs_are_options(kind, compilers, tokenizer_infos, tokenizers, sample):
+def test_choice_outputs_are_options(kind, compilers, tokenizer_infos, tokenizers):
     options = ["yes", "no", "the model", "日本語", "a+b (c)"]
     compiled = compilers(kind).compile(GrammarSpec.choice(options))
     seen = set()
@@ -78,7 +66,7 @@ def test_choice_outputs_are_options(kind, compilers, tokenizer_infos, tokenizers
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_json_object_outputs_are_objects(kind, compilers, tokenizer_infos, tokenizers, sample):
+def test_json_object_outputs_are_objects(kind, compilers, tokenizer_infos, tokenizers):
     compiled = compilers(kind).compile(GrammarSpec.json_object())
     stops = 0
     for seed in SEEDS:

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import KINDS, decode
-from test_llguidance_backend import validate
 
 from grammar import GrammarError, GrammarSpec
+from tests.grammar.constrained_sampling import KINDS, decode, validate
+from tests.grammar.constrained_sampling import sample_constrained as sample
 
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "schemas.json").read_text())
 RANGE = r"keyword '(maximum|exclusiveMaximum)' is not supported"
@@ -34,7 +34,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_schema_enforced_or_refused(name, kind, compilers, tokenizer_infos, tokenizers, sample):
+def test_schema_enforced_or_refused(name, kind, compilers, tokenizer_infos, tokenizers):
     schema = SCHEMAS[name]
     compiler = compilers(kind, "outlines")
     if name in REFUSED:
@@ -58,7 +58,7 @@ def test_recursive_ref_is_refused(compilers):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_regex_and_choice(kind, compilers, tokenizer_infos, tokenizers, sample):
+def test_regex_and_choice(kind, compilers, tokenizer_infos, tokenizers):
     compiler = compilers(kind, "outlines")
     for spec, check in [
         (GrammarSpec.regex(r"[a-z]{2,6}"), lambda t: re.fullmatch(r"[a-z]{2,6}", t)),

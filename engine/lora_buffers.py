@@ -1,0 +1,105 @@
+"""Device-side LoRA slots: stacked A/B buffers for every layer and fused projection group.
+
+The model adds LoRA deltas into its fused projections (engine.models.llama): "qkv" (q|k|v slices),
+"o", "gate_up" (gate|up slices) and "down". Each (layer, group) gets one `LoRAStackedWeights` with
+`max_loras` slots padded to `max_lora_rank`; writing an adapter into a slot copies its factors there.
+A step's `LoRAStepContext` carries the per-token slot ids and calls the batched kernel per group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapters.lora_adapter import LoRAAdapter
+from engine.config import ModelConfig
+from engine.plan import BatchPlan
+from kernels.lora import add_lora
+from kernels.lora_meta import NO_ADAPTER, LoRABatchMeta
+from kernels.lora_weights import LoRAStackedWeights
+
+# Fused projection group -> the HF projections it stacks, in the model's slice order.
+GROUP_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoRAStepContext:
+    """One step's LoRA work: which slot each token uses. Implements engine.models.llama.LoRAContext."""
+
+    def __init__(self, buffers: LoRADeviceBuffers, meta: LoRABatchMeta) -> None:
+        self._buffers = buffers
+        self.meta = meta
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each token's adapter delta for `group` of `layer`, in place (see kernels.lora.add_lora)."""
+        if self._buffers.is_adapted(layer, group, self.meta.active_slots):
+            add_lora(y, x, self._buffers.weights[layer][group], self.meta)
+
+
+class LoRADeviceBuffers:
+    """`num_slots` adapter slots for every (layer, group), on the runner's device and in its dtype.
+
+    Mutated only by `write` / `clear` (between steps, never during a forward).
+    """
+
+    def __init__(self, model_config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        mc = model_config
+        shapes = mc.lora_module_shapes()  # projection -> (in_features, out_features)
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = torch.device(device)
+        self.weights: list[dict[str, LoRAStackedWeights]] = [
+            {
+                group: LoRAStackedWeights.allocate(
+                    num_slots, max_rank, shapes[projs[0]][0], [shapes[p][1] for p in projs], dtype, device
+                )
+                for group, projs in GROUP_PROJECTIONS.items()
+            }
+            for _ in range(mc.num_layers)
+        ]
+        # Host mirror of which (layer, group) each slot adapts, so unadapted groups skip the kernel call.
+        self._adapted: list[list[set[str]]] = [[set() for _ in range(mc.num_layers)] for _ in range(num_slots)]
+
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy every factor of `adapter` into `slot` (the slot's previous content is replaced)."""
+        for layer, groups in enumerate(self.weights):
+            adapted = self._adapted[slot][layer]
+            adapted.clear()
+            for group, projs in GROUP_PROJECTIONS.items():
+                modules = [adapter.module(layer, p) for p in projs]
+                stacked = groups[group]
+                if all(m is None for m in modules):
+                    stacked.clear_slot(slot)
+                    continue
+                stacked.write_slot(
+                    slot,
+                    [None if m is None else m.lora_a for m in modules],
+                    [None if m is None else m.lora_b for m in modules],
+                    [0.0 if m is None else m.scaling for m in modules],
+                )
+                adapted.add(group)
+
+    def clear(self, slot: int) -> None:
+        for layer, groups in enumerate(self.weights):
+            for stacked in groups.values():
+                stacked.clear_slot(slot)
+            self._adapted[slot][layer].clear()
+
+    def is_adapted(self, layer: int, group: str, slots: tuple[int, ...]) -> bool:
+        return any(group in self._adapted[s][layer] for s in slots)
+
+    def context(self, token_slots: list[int]) -> LoRAStepContext | None:
+        """A step context for these per-token slots (-1 = base), or None when no token uses an adapter."""
+        if all(s == NO_ADAPTER for s in token_slots):
+            return None
+        return LoRAStepContext(self, LoRABatchMeta.build(token_slots, self.device))
+
+    def context_for_plan(self, plan: BatchPlan) -> LoRAStepContext | None:
+        token_slots: list[int] = []
+        for seq in plan.seqs:
+            token_slots.extend([seq.lora_slot] * seq.query_len)
+        return self.context(token_slots)

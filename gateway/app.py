@@ -1,0 +1,84 @@
+"""`build_app`: the gateway's Starlette app.
+
+Middleware, outermost first: x-request-id → error guard (no bare 500s) → body size limit (413) →
+authentication (API keys, scopes). Shared objects live in lifespan state as `request.state.gateway`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.tokenizer import Tokenizer
+from gateway.admission import PriorityClampAdmission, RequestAdmission, StoreUsageReporter, UsageReporter
+from gateway.auth import ApiKeyBackend, on_auth_error
+from gateway.engine_client import EngineClient
+from gateway.errors import ApiError, error_body
+from gateway.gateway_state import GatewayConfig, GatewayState
+from gateway.middleware import BodySizeLimitMiddleware, ErrorGuardMiddleware, RequestIdMiddleware
+from gateway.model_resolver import ModelResolver
+from gateway.openai_routes import routes as openai_routes
+from gateway.store import Store
+
+
+def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokenizer: Tokenizer, *,
+              admission: RequestAdmission | None = None, usage: UsageReporter | None = None,
+              resources: Callable[[], AbstractAsyncContextManager] | None = None) -> Starlette:
+    """The gateway app. `resources` (e.g. a worker supervisor) is entered for the app's lifetime;
+    the engine client is closed on shutdown."""
+    state = GatewayState(
+        config=config, store=store, engine=engine, tokenizer=tokenizer,
+        resolver=ModelResolver(store, config.served_model_name, int(time.time())),
+        admission=admission or PriorityClampAdmission(), usage=usage or StoreUsageReporter(store),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict]:
+        async with contextlib.AsyncExitStack() as stack:
+            if resources is not None:
+                await stack.enter_async_context(resources())
+            stack.push_async_callback(engine.close)
+            yield {"gateway": state}
+
+    async def health(request: Request) -> Response:
+        healthy = await engine.healthy()
+        return JSONResponse({"status": "ok" if healthy else "degraded", "engine": healthy},
+                            status_code=200 if healthy else 503)
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            message, code = f"Unknown request URL: {request.method} {request.url.path}.", "unknown_url"
+        elif exc.status_code == 405:
+            message, code = f"Method {request.method} is not allowed on {request.url.path}.", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        error = ApiError(exc.status_code, message, code=code)
+        return JSONResponse(error_body(error.message, error.error_type, None, code), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    return Starlette(
+        routes=[Route("/health", health, methods=["GET"]), *openai_routes],
+        middleware=[
+            Middleware(RequestIdMiddleware),
+            Middleware(ErrorGuardMiddleware),
+            Middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes),
+            Middleware(AuthenticationMiddleware, backend=ApiKeyBackend(store), on_error=on_auth_error),
+        ],
+        exception_handlers={ApiError: api_error, HTTPException: http_error},
+        lifespan=lifespan,
+    )

@@ -1,0 +1,118 @@
+"""`EngineClient` over HTTP: NDJSON streaming from one worker (engine/worker_server.py).
+
+Connection failures before the response starts are WorkerUnavailableError (nothing ran); a stream
+that breaks or ends without a finished delta is WorkerFailedError. Leaving the stream early closes the
+connection, which the worker takes as an abort; an explicit /abort is sent as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+
+from engine.protocol import (
+    TRACEPARENT_HEADER,
+    WORKER_SECRET_HEADER,
+    GenerateDelta,
+    GenerateError,
+    GenerateRequest,
+    ProtocolError,
+    WorkerState,
+    parse_message,
+)
+from gateway.engine_client import (
+    EngineClient,
+    WorkerFailedError,
+    WorkerRequestError,
+    WorkerUnavailableError,
+    raise_for_error,
+)
+
+log = logging.getLogger(__name__)
+
+
+class HttpEngineClient(EngineClient):
+    def __init__(self, base_url: str, secret: str, *, connect_timeout_s: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        # No read timeout on streams: a long queue wait is not a failure; a dead worker closes the socket.
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0, pool=30.0)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers={WORKER_SECRET_HEADER: secret},
+                                       timeout=timeout, transport=transport)
+        self._background: set[asyncio.Task] = set()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        headers = {TRACEPARENT_HEADER: request.traceparent} if request.traceparent else {}
+        started = finished = False
+        try:
+            async with self._http.stream("POST", "/generate", json=request.to_json(), headers=headers) as resp:
+                if resp.status_code == 400:
+                    body = await resp.aread()
+                    raise WorkerRequestError(_error_text(body))
+                if resp.status_code != 200:
+                    raise WorkerUnavailableError(f"worker answered HTTP {resp.status_code}")
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    message = parse_message(line)
+                    if isinstance(message, GenerateError):
+                        raise_for_error(message, started)
+                    started = True
+                    finished = message.finished
+                    yield message
+                    if finished:
+                        return
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
+            raise WorkerUnavailableError(f"engine worker at {self.base_url} is not reachable ({type(e).__name__})") from None
+        except (httpx.HTTPError, ProtocolError) as e:
+            raise WorkerFailedError(f"connection to the engine worker broke: {type(e).__name__}") from None
+        finally:
+            if started and not finished:
+                self._abort_in_background(request.request_id)
+        if not finished:
+            raise WorkerFailedError("the engine worker closed the stream before the request finished")
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._http.post("/abort", json={"request_id": request_id}, timeout=5.0)
+        except httpx.HTTPError as e:
+            log.debug("abort of %s not delivered: %s", request_id, e)
+
+    async def state(self) -> WorkerState:
+        try:
+            resp = await self._http.get("/state", timeout=5.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            raise WorkerUnavailableError(f"worker state unavailable: {e}") from None
+        return WorkerState.from_json(resp.json())
+
+    async def healthy(self) -> bool:
+        try:
+            resp = await self._http.get("/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self._http.aclose()
+
+    def _abort_in_background(self, request_id: str) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        except RuntimeError:
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:500]

@@ -1,0 +1,135 @@
+"""`loraplex serve` (gateway + one supervised local worker) and `loraplex worker`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from gateway.cli import DEFAULT_GATEWAY_PORT, DEFAULT_WORKER_PORT, CommandError
+
+DEMO_MODEL_NAME = "loraplex-demo"
+DEMO_TENANT = "demo"
+
+
+def demo_model_spec():
+    """Small but not trivial: 4 layers, GQA 8/4 heads, hidden 256, llama3 rope (about 2.4 M parameters)."""
+    from engine.demo import FAMILIES, TinyModelSpec
+
+    llama = FAMILIES["llama"]
+    return TinyModelSpec(**{**llama.__dict__, "hidden_size": 256, "intermediate_size": 704,
+                            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4})
+
+
+def ensure_demo_model(data_dir: Path) -> Path:
+    """<data_dir>/demo-model, built once (atomically: a half-written model is never picked up)."""
+    target = data_dir / "demo-model"
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    from engine.demo import make_checkpoint
+
+    print(f"building the demo model in {target} ...", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=data_dir))
+    try:
+        make_checkpoint(tmp, demo_model_spec())
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_demo_tenant(store) -> None:
+    """Create the demo tenant and print its key once; later runs only say how to make another key."""
+    if store.get_tenant_by_name(DEMO_TENANT) is not None:
+        print(f"demo tenant '{DEMO_TENANT}' exists; make a new key with: loraplex keys create --tenant {DEMO_TENANT}",
+              flush=True)
+        return
+    tenant = store.create_tenant(DEMO_TENANT)
+    plaintext, key = store.create_api_key(tenant.id, name="demo")
+    store.append_audit("cli", "key.create", key.id, after={"tenant": tenant.id, "scopes": ["tenant"]})
+    print(f"created demo tenant '{DEMO_TENANT}' with API key (shown once, store it now):", flush=True)
+    print(plaintext, flush=True)
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_command(args: argparse.Namespace, model: Path, served_name: str, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "gateway.cli", "worker", "--model", str(model), "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(args.data_dir), "--device", args.device,
+        "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+        "--max-num-seqs", str(args.max_num_seqs), "--max-loras", str(args.max_loras),
+        "--max-lora-rank", str(args.max_lora_rank),
+    ]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.tokenizer import Tokenizer
+    from gateway.app import build_app
+    from gateway.gateway_state import GatewayConfig
+    from gateway.http_engine_client import HttpEngineClient
+    from gateway.operator_commands import open_cli_store
+    from gateway.supervisor import WorkerLaunch, WorkerSupervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    store = open_cli_store(args)
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise CommandError(f"--model {model} is not a model directory (config.json is missing)")
+    else:
+        model = ensure_demo_model(args.data_dir)
+        ensure_demo_tenant(store)
+    served_name = args.served_model_name or (model.name if args.model else DEMO_MODEL_NAME)
+    secret = secrets.token_urlsafe(32)
+    worker_port = args.worker_port or free_loopback_port()
+    client = HttpEngineClient(f"http://127.0.0.1:{worker_port}", secret)
+    supervisor = WorkerSupervisor(WorkerLaunch(
+        command=worker_command(args, model, served_name, worker_port), health_client=client, secret=secret,
+        pid_file=args.data_dir / "worker.pid",
+    ))
+    config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters")
+    app = build_app(config, store, client, Tokenizer(model), resources=supervisor.running)
+    port = args.port or DEFAULT_GATEWAY_PORT
+    print(f"loraplex gateway on http://{args.host}:{port}/v1 serving '{served_name}'", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        store.close()
+    return 0
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    from engine.async_llm import AsyncLLM
+    from engine.config import EngineConfig
+    from engine.worker_server import run_worker
+    from gateway.supervisor import SECRET_ENV
+
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise CommandError(f"set the shared secret in {SECRET_ENV} (the gateway sends it with every call)")
+    if not args.model:
+        raise CommandError("loraplex worker needs --model (or LORAPLEX_MODEL)")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
+                          max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    llm = AsyncLLM.from_config(config)
+    served_name = args.served_model_name or Path(args.model).name
+    run_worker(llm, served_name, secret, host=args.host, port=args.port or DEFAULT_WORKER_PORT)
+    return 0

@@ -1,0 +1,94 @@
+"""Gateway fixtures: a real uvicorn server on a free loopback port over an in-process engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.worker_server import WorkerService
+from gateway.app import build_app
+from gateway.engine_client import InProcessEngineClient
+from gateway.gateway_state import GatewayConfig
+from gateway.store import SqliteStore, Store
+from tests.conftest import free_port
+
+BASE_MODEL = "tiny-llama"
+
+
+class ThreadedServer:
+    """uvicorn serving `app` from a background thread until stop()."""
+
+    def __init__(self, app, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@dataclass
+class GatewayStack:
+    url: str
+    store: Store
+    llm: AsyncLLM
+    key_a: str
+    key_b: str
+    tenant_a: str
+    tenant_b: str
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+@pytest.fixture(scope="module")
+def gateway_stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two tenants (a, b) with one key each, on a module-scoped server over a 128-block engine."""
+    data = tmp_path_factory.mktemp("gateway")
+    store = SqliteStore(data / "store.db")
+    llm = AsyncLLM.from_config(EngineConfig(model=str(llama_dir), num_kv_blocks=128, block_size=4,
+                                            max_num_seqs=16))
+    client = InProcessEngineClient(WorkerService(llm, BASE_MODEL))
+    config = GatewayConfig(served_model_name=BASE_MODEL, adapter_root=data / "adapters", max_body_bytes=64 * 1024)
+    app = build_app(config, store, client, llm.tokenizer)
+    tenant_a = store.create_tenant("acme")
+    tenant_b = store.create_tenant("globex")
+    key_a, _ = store.create_api_key(tenant_a.id)
+    key_b, _ = store.create_api_key(tenant_b.id)
+    server = ThreadedServer(app).start()
+    yield GatewayStack(server.url, store, llm, key_a, key_b, tenant_a.id, tenant_b.id)
+    server.stop()
+    llm.shutdown()
+    store.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
