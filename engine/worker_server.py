@@ -148,7 +148,10 @@ class NdjsonStream(Response):
     media_type = "application/x-ndjson"
 
     def __init__(self, messages: AsyncIterator[GenerateDelta | GenerateError]) -> None:
-        super().__init__(content=None, status_code=200)
+        # NOTE: no Response.__init__: it would declare content-length 0 for a body that streams.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", self.media_type.encode())]
         self.messages = messages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -24,7 +24,7 @@ def _check_blocks(stack) -> None:
     asyncio.run(check())
     stats = stack.llm.stats()
     # Every block is free or held by the prefix cache; nothing is owned by a request any more.
-    assert stats.num_free_kv_blocks + 0 >= stats.num_kv_blocks - stats.prefix_cache_blocks
+    assert stats.num_free_kv_blocks >= stats.num_kv_blocks - stats.prefix_cache_blocks
 
 
 def _usage(stack):
