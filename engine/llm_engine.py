@@ -15,6 +15,7 @@ from engine.plan import SampledToken
 from engine.request import AdapterRef, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputManager
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -57,7 +58,9 @@ class LLMEngine:
         self.runner.lora = self.lora
         # NOTE: other admission checks (grammar) must run before the LoRA one, which pins a slot.
         self.scheduler.admission_check = self.lora.admission_check
-        self.scheduler.on_release = self.lora.on_release
+        self.scheduler.on_release = self._on_release
+        self.structured = StructuredOutputManager(config.model, self.tokenizer.eos_token_ids)
+        self.runner.grammar_masker = self.structured.fill
         self.scheduler.holdings_check = self.lora.check_integrity
 
     # ----- intake -----------------------------------------------------------------------------------
@@ -87,6 +90,7 @@ class LLMEngine:
                     child_params = _with_seed(params, params.seed + i)
                 req = Request(cid, list(token_ids), child_params, self.tokenizer.eos_token_ids, priority=priority,
                               adapter=adapter, cache_salt=cache_salt)
+                self.structured.submit(req)  # GrammarError (a ValueError) refuses the request here
                 self.scheduler.add_request(req)
                 self.lora.track(req)
                 added.append(cid)
@@ -136,12 +140,18 @@ class LLMEngine:
         outputs, stop_hits = self.outputs.process(updates)
         for child_id, stop in stop_hits:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
-        for child_id, reason in self.lora.take_load_failures():
+        failures = self.lora.take_load_failures()
+        failures += [(req.request_id, reason) for req, reason in self.structured.poll()]
+        for child_id, reason in failures:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
             failed = self.outputs.finish(child_id, RequestStatus.FINISHED_ERROR, reason)
             if failed is not None:
                 outputs.append(failed)
         return outputs
+
+    def _on_release(self, req: Request) -> None:
+        self.lora.on_release(req)
+        self.structured.forget(req.request_id)
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

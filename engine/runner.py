@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_weights
 from engine.models.llama import AttentionInputs, LlamaModel
-from engine.plan import BatchPlan, ModelOutput
+from engine.plan import BatchPlan, ModelOutput, SampleRow
 from engine.sampler import Sampler
 
 
@@ -36,7 +37,8 @@ class ModelRunner:
         ]  # per layer: (num_blocks, block_size, H_kv, D) keys and values
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
         self.lora = None  # engine.lora_slots.LoRASlots, set by the engine: builds each step's LoRAContext
-        self.grammar_masker = None  # set by the engine when structured output is enabled
+        # StructuredOutputManager.fill, set by the engine: (bitmask, constrained row indices) for a step
+        self.grammar_masker: Callable[[list[SampleRow]], tuple[torch.Tensor, list[int]] | None] | None = None
 
     def _blocks_that_fit(self) -> int:
         mc = self.model_config
@@ -68,8 +70,8 @@ class ModelRunner:
             return ModelOutput([])
         index = torch.tensor([r.token_index for r in plan.sample_rows], device=dev)
         logits = self.model.compute_logits(hidden[index])  # (N, V) float32
-        mask = self.grammar_masker(plan.sample_rows, logits.shape[-1]) if self.grammar_masker else None
-        return ModelOutput(self.sampler(logits, plan.sample_rows, mask))
+        grammar = self.grammar_masker(plan.sample_rows) if self.grammar_masker is not None else None
+        return ModelOutput(self.sampler(logits, plan.sample_rows, grammar))
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], lora_slot: int = -1) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.plan import SampledToken, SampleRow
+from grammar import apply_bitmask
 
 
 class Sampler:
@@ -33,15 +34,22 @@ class Sampler:
         return g
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
-                 grammar_mask: torch.Tensor | None = None) -> list[SampledToken]:
-        """logits: (N, V) float32, one row per SampleRow. grammar_mask: (N, V) bool of allowed tokens."""
+                 grammar: tuple[torch.Tensor, list[int]] | None = None) -> list[SampledToken]:
+        """logits: (N, V) float32, one row per SampleRow.
+
+        grammar: (bitmask, row indices) of the constrained rows; disallowed tokens are masked before any
+        sampling mode (greedy included) picks. Logprobs stay those of the model's own distribution.
+        """
+        raw_logits = logits
         raw_logprobs = None
         want_logprobs = [r.params.logprobs is not None for r in rows]
         if any(want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # (N, V) of the model's own distribution
         logits = self._apply_penalties(logits, rows)
-        if grammar_mask is not None:
-            logits = logits.masked_fill(~grammar_mask, float("-inf"))
+        if grammar is not None:
+            if logits is raw_logits:
+                logits = logits.clone()
+            apply_bitmask(logits, *grammar)
         tokens = self._pick(logits, rows)  # (N,)
         token_list = tokens.tolist()
         out = []

@@ -132,6 +132,8 @@ class Scheduler:
         for req in self.waiting:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if req.sampling_params.has_grammar and req.grammar is None:
+                continue  # its grammar is still compiling: others go ahead
             slot = -1
             if self.admission_check is not None:
                 checked = self.admission_check(req, active_slots)
@@ -227,6 +229,8 @@ class Scheduler:
             if req is None:  # finished while the step ran (abort)
                 continue
             req.output_token_ids.append(sampled.token_id)
+            if req.grammar is not None:
+                req.grammar.accept_token(sampled.token_id)
             updated.append((req, sampled))
             status = self._stop_status(req, sampled.token_id)
             if status is not None:

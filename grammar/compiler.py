@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
+import llguidance
+
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits
 from grammar.llguidance_backend import LLGuidanceBackend
 from grammar.outlines_backend import OutlinesBackend
@@ -65,6 +67,12 @@ class GrammarCompiler:
                                f"(limit {self.limits.max_spec_chars})")
         if spec.kind == "json_schema":
             check_schema(spec.schema(), self.backend, self.limits.max_ref_depth)
+        elif spec.kind == "regex":
+            # Both backends take Rust regex syntax; llguidance's parser checks it in about a millisecond.
+            error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(spec.value))
+            if error:
+                detail = next((ln.strip() for ln in error.splitlines() if ln.strip().startswith("error:")), "")
+                raise GrammarError(f"invalid regex {spec.value!r}: {detail.removeprefix('error: ') or error}")
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """Start compiling `spec` (or find it cached / in flight); never blocks on a compile.

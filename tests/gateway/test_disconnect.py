@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -61,10 +62,8 @@ def test_disconnecting_while_waiting_for_a_non_streamed_answer_aborts_too(gatewa
                     break
             assert gateway_stack.llm.stats().num_running == 1
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
 
     asyncio.run(go())
     assert wait_until(lambda: _engine_idle(gateway_stack), timeout_s=10)

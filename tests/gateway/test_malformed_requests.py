@@ -80,10 +80,7 @@ def test_fifty_malformed_requests_get_4xx_in_openais_shape(gateway_stack):
     headers = {"authorization": f"Bearer {gateway_stack.key_a}", "content-type": "application/json"}
     with httpx.Client(base_url=gateway_stack.v1, headers=headers, timeout=30) as http:
         for path, label, body, status in cases:
-            if isinstance(body, bytes):
-                resp = http.post(path, content=body)
-            else:
-                resp = http.post(path, json=body)
+            resp = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
             assert resp.status_code == status, f"{label}: {resp.status_code} {resp.text}"
             error = resp.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}, label

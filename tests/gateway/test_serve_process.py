@@ -60,6 +60,9 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._reader.join(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
 
 
 @pytest.fixture()
@@ -86,7 +89,7 @@ def test_worker_killed_mid_stream_ends_the_stream_with_an_error_and_is_restarted
     received = 0
     started = time.monotonic()
     with pytest.raises(openai.APIError, match="engine worker"):
-        for chunk in stream:
+        for _chunk in stream:
             received += 1
             if received == 2:
                 os.kill(worker_pid, signal.SIGKILL)
