@@ -98,14 +98,12 @@ def train_tokenizer(out_dir: str | Path, kind: TokenizerKind = "byte_bpe", vocab
         tok.decoder = decoders.Sequence(
             [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
         )
-        byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+        specials = ["<unk>", *SPECIAL_TOKENS]
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=["<unk>", *SPECIAL_TOKENS, *byte_tokens],
-            limit_alphabet=200,
-            show_progress=False,
+            vocab_size=vocab_size - 256, special_tokens=specials, limit_alphabet=200, show_progress=False
         )
         tok.train_from_iterator(corpus, trainer=trainer)
+        tok = _with_byte_tokens(tok, specials)
     else:
         raise ValueError(f"unknown tokenizer kind {kind!r}")
     tok.save(str(out / "tokenizer.json"))
@@ -123,6 +121,23 @@ def train_tokenizer(out_dir: str | Path, kind: TokenizerKind = "byte_bpe", vocab
         config["unk_token"] = "<unk>"
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def _with_byte_tokens(tok, specials: list[str]):
+    """Put <0x00>..<0xFF> into the BPE vocabulary as ordinary tokens right after the specials.
+
+    Like Llama 2 / Mistral tokenizers: byte-fallback pieces are vocabulary entries, not special added
+    tokens, so decoding with skip_special_tokens keeps the bytes they stand for.
+    """
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    trained = sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])
+    order = specials + [f"<0x{b:02X}>" for b in range(256)] + [t for t, _ in trained if t not in specials]
+    data["model"]["vocab"] = {t: i for i, t in enumerate(order)}
+    for added in data["added_tokens"]:
+        added["id"] = data["model"]["vocab"][added["content"]]
+    return Tokenizer.from_str(json.dumps(data))
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,8 @@ class LoRASlots:
         return None if adapter is None else self.host.resolve(adapter)
 
     def resident_adapters(self) -> list[AdapterRef]:
-        """Adapters now in a device slot (for routing by residency)."""
-        return [ref for ref in self._owner if ref is not None]
+        """Loaded adapters now in a device slot (for routing by residency)."""
+        return [ref for ref in self._owner if ref is not None and self.host.is_registered(ref)]
 
     # ----- request lifecycle (scheduler hooks) --------------------------------------------------------
 

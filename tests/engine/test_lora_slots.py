@@ -172,3 +172,23 @@ def test_adapter_reloaded_from_disk_just_in_time_or_failed_clearly(ten_adapters,
     assert base.outputs[0].finish_reason in ("stop", "length")
     engine.scheduler.check_integrity()
     assert engine.lora.host.users() == {}
+
+
+def test_preempted_requests_resume_in_their_slot_with_correct_outputs(ten_adapters):
+    model_dir, refs = ten_adapters
+    llm = LLM(model_dir, num_kv_blocks=12, block_size=16, max_loras=2, max_lora_rank=16,
+              max_num_batched_tokens=96)
+    for name in ("a1", "a2"):
+        llm.load_adapter(name, refs[name].path)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, [40, 55, 35, 60, 45], 11)
+    adapters = ["a1", "a2", None, "a1", "a2"]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    eos = llm.tokenizer.eos_token_ids
+    base_ref = type(refs["a0"])(model_dir, load_hf_base(model_dir))
+    for prompt, adapter, out in zip(prompts, adapters, outs, strict=True):
+        reference = refs[adapter] if adapter else base_ref
+        assert out.outputs[0].token_ids == reference.greedy(prompt, MAX_NEW, eos)[0]
+    assert llm.engine.stats().lora_slot_evictions == 0
+    llm.engine.scheduler.check_integrity()

@@ -79,11 +79,13 @@ def test_size_limits(tokenizer_infos, backend, limits, spec, message):
     compiler.shutdown()
 
 
-def test_backend_errors_become_grammar_errors(compilers):
-    with pytest.raises(GrammarError, match="regex refused by llguidance"):
-        compilers("byte_bpe").compile(GrammarSpec.regex("(?=a)b"))
-    with pytest.raises(GrammarError, match="refused by outlines-core"):
-        compilers("byte_bpe", "outlines").compile(GrammarSpec.regex("(?=a)b"))
+def test_invalid_regex_is_refused_at_submission_by_either_backend(compilers):
+    for backend in ("llguidance", "outlines"):
+        compiler = compilers("byte_bpe", backend)
+        with pytest.raises(GrammarError, match="invalid regex '\\(\\?=a\\)b': look-around"):
+            compiler.submit(GrammarSpec.regex("(?=a)b"))
+        with pytest.raises(GrammarError, match="unclosed group"):
+            compiler.check(GrammarSpec.regex("(unclosed"))
 
 
 def test_unknown_backend_and_bad_settings(tokenizer_infos):
