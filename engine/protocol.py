@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from engine.outputs import Logprob, RequestOutput
@@ -167,13 +167,16 @@ class WorkerState:
     prefix_cache_blocks: int
     resident_adapters: list[str]  # sha256 of adapters loaded in the worker
     model: str
+    adapter_loads: int = 0  # adapters copied into a device slot since the worker started
+    adapter_evictions: int = 0  # resident adapters replaced to make room since the worker started
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerState:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        # NOTE: fields with defaults may be absent (a worker of an older build).
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING})
 
 
 def parse_message(line: bytes | str) -> GenerateDelta | GenerateError:

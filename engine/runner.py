@@ -29,16 +29,22 @@ class ModelRunner:
         weights = load_weights(Path(config.model), model_config, self.dtype)
         self.model = LlamaModel(model_config, weights, self.device, self.max_model_len)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]  # per layer: (num_blocks, block_size, H_kv, D) keys and values
+        self.kv_caches = [(self._kv_buffer(), self._kv_buffer()) for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
         self.lora = None  # engine.lora_slots.LoRASlots, set by the engine: builds each step's LoRAContext
         # StructuredOutputManager.fill, set by the engine: (bitmask, constrained row indices) for a step
         self.grammar_masker: Callable[[list[SampleRow]], tuple[torch.Tensor, list[int]] | None] | None = None
+
+    def _kv_buffer(self) -> torch.Tensor:
+        """One layer's keys or values: logical shape (num_blocks, block_size, H_kv, D), the layout every
+        attention kernel takes. On the CPU the storage is head-major, (H_kv, num_blocks, block_size, D),
+        so the torch path gathers a decode batch's keys without a second copy; Triton reads any strides.
+        """
+        mc, bs = self.model_config, self.config.block_size
+        if self.device.type == "cpu":
+            storage = torch.zeros(mc.num_kv_heads, self.num_blocks, bs, mc.head_dim, dtype=self.dtype)
+            return storage.permute(1, 2, 0, 3)
+        return torch.zeros(self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
 
     def _blocks_that_fit(self) -> int:
         mc = self.model_config

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 import anyio
+from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,6 +44,7 @@ from engine.protocol import (
 )
 from engine.request import AdapterRef
 from engine.sampling_params import SamplingParams
+from engine.worker_tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +56,10 @@ class AdapterUnavailable(Exception):
 class WorkerService:
     """Runs protocol requests on one AsyncLLM. Safe to share by all requests of one event loop."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, tracer_provider: TracerProvider | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.tracing = WorkerTracing(tracer_provider)  # spans only when a provider is given
         self._adapters: dict[str, AdapterRef] = {}  # sha256 -> loaded ref
         self._adapter_locks: dict[str, asyncio.Lock] = {}
 
@@ -74,7 +77,24 @@ class WorkerService:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | GenerateError]:
         """Stream deltas until one is finished, or yield one GenerateError. Closing the iterator early
-        aborts the request in the engine."""
+        aborts the request in the engine. Traced (engine/worker_tracing.py) when the service has a provider."""
+        spans = self.tracing.request(request, self.model_name)
+        messages = self._run(request)
+        error: str | None = None
+        try:
+            async for message in messages:
+                if spans is not None:
+                    if isinstance(message, GenerateError):
+                        error = message.message
+                    else:
+                        spans.on_delta(message, self.llm.stats().num_running)
+                yield message
+        finally:
+            await messages.aclose()
+            if spans is not None:
+                spans.finish(error)
+
+    async def _run(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | GenerateError]:
         rid = request.request_id
         try:
             params = SamplingParams(**request.sampling)
@@ -90,8 +110,6 @@ class WorkerService:
         except AdapterUnavailable as e:
             yield GenerateError(rid, ADAPTER_UNAVAILABLE, str(e))
             return
-        if request.traceparent:
-            log.debug("request %s traceparent %s", rid, request.traceparent)
         with_logprobs = params.logprobs is not None
         started = False
         try:
@@ -117,7 +135,7 @@ class WorkerService:
             num_free_kv_blocks=s.num_free_kv_blocks, kv_usage=s.kv_usage,
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_cache_blocks=s.prefix_cache_blocks, resident_adapters=sorted(self._adapters),
-            model=self.model_name,
+            model=self.model_name, adapter_loads=s.lora_slot_loads, adapter_evictions=s.lora_slot_evictions,
         )
 
     async def _adapter_ref(self, spec: AdapterSpec) -> AdapterRef:
@@ -234,16 +252,20 @@ def build_worker_app(service: WorkerService, secret: str) -> Starlette:
     ])
 
 
-def run_worker(llm: AsyncLLM, model_name: str, secret: str, host: str = "127.0.0.1", port: int = 8001) -> None:
+def run_worker(llm: AsyncLLM, model_name: str, secret: str, host: str = "127.0.0.1", port: int = 8001,
+               tracer_provider: TracerProvider | None = None) -> None:
     """Serve until interrupted (blocking). Loopback by default: the secret is not a substitute for a
-    private network."""
+    private network. `tracer_provider` (its spans exported by the caller's setup) is shut down at exit."""
     import uvicorn
 
-    app = build_worker_app(WorkerService(llm, model_name), secret)
+    app = build_worker_app(WorkerService(llm, model_name, tracer_provider), secret)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         llm.shutdown()
+        shutdown = getattr(tracer_provider, "shutdown", None)  # the SDK provider flushes its exporters
+        if callable(shutdown):
+            shutdown()
 
 
 __all__ = ["AdapterUnavailable", "NdjsonStream", "WorkerService", "build_worker_app", "run_worker"]

@@ -1,7 +1,7 @@
 """`build_app`: the gateway's Starlette app.
 
-Middleware, outermost first: x-request-id → error guard (no bare 500s) → body size limit (413) →
-authentication (API keys, scopes). Shared objects live in lifespan state as `request.state.gateway`.
+Middleware, outermost first: x-request-id → telemetry (server span, request metrics) → error guard (no
+bare 500s) → body size limit (413) → authentication (API keys, scopes; the dashboard page loads keyless). Shared objects live in lifespan state as `request.state.gateway`.
 """
 
 from __future__ import annotations
@@ -20,26 +20,39 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.tokenizer import Tokenizer
+from gateway.adapter_registry import AdapterRegistry, AdapterUploadConfig
+from gateway.adapter_routes import AdapterApi, UploadBodySizeLimit
+from gateway.admin_routes import routes as admin_routes
 from gateway.admission import PriorityClampAdmission, RequestAdmission, StoreUsageReporter, UsageReporter
+from gateway.admission_telemetry import InstrumentedAdmission
 from gateway.auth import ApiKeyBackend, on_auth_error
+from gateway.dashboard_routes import KeylessPagesBackend
+from gateway.dashboard_routes import routes as dashboard_routes
 from gateway.engine_client import EngineClient
 from gateway.errors import ApiError, error_body
 from gateway.gateway_state import GatewayConfig, GatewayState
-from gateway.middleware import BodySizeLimitMiddleware, ErrorGuardMiddleware, RequestIdMiddleware
+from gateway.middleware import ErrorGuardMiddleware, RequestIdMiddleware
 from gateway.model_resolver import ModelResolver
 from gateway.openai_routes import routes as openai_routes
 from gateway.store import Store
+from gateway.telemetry import TELEMETRY_STATE_KEY, Telemetry, TelemetryMiddleware
+from gateway.tracing import TracedAuthBackend
 
 
 def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokenizer: Tokenizer, *,
               admission: RequestAdmission | None = None, usage: UsageReporter | None = None,
-              resources: Callable[[], AbstractAsyncContextManager] | None = None) -> Starlette:
+              resources: Callable[[], AbstractAsyncContextManager] | None = None,
+              adapter_uploads: AdapterUploadConfig | None = None,
+              telemetry: Telemetry | None = None) -> Starlette:
     """The gateway app. `resources` (e.g. a worker supervisor) is entered for the app's lifetime;
-    the engine client is closed on shutdown."""
+    the engine client, and the admission if it has an async `close()`, are closed on shutdown.
+    `telemetry` (metrics, traces, the dashboard's activity window) defaults to one that exports nothing."""
+    telemetry = telemetry or Telemetry()
+    admission = InstrumentedAdmission(admission or PriorityClampAdmission(), telemetry)
     state = GatewayState(
         config=config, store=store, engine=engine, tokenizer=tokenizer,
         resolver=ModelResolver(store, config.served_model_name, int(time.time())),
-        admission=admission or PriorityClampAdmission(), usage=usage or StoreUsageReporter(store),
+        admission=admission, usage=usage or StoreUsageReporter(store),
     )
 
     @contextlib.asynccontextmanager
@@ -48,7 +61,11 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
             if resources is not None:
                 await stack.enter_async_context(resources())
             stack.push_async_callback(engine.close)
-            yield {"gateway": state}
+            close_admission = getattr(state.admission, "close", None)  # e.g. QuotaAdmission's Redis pool
+            if close_admission is not None:
+                stack.push_async_callback(close_admission)
+            await stack.enter_async_context(telemetry.running(engine, admission.queue))
+            yield {"gateway": state, TELEMETRY_STATE_KEY: telemetry}
 
     async def health(request: Request) -> Response:
         healthy = await engine.healthy()
@@ -72,12 +89,16 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
                             headers=exc.headers)
 
     return Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *openai_routes],
+        routes=[Route("/health", health, methods=["GET"]), *openai_routes, *admin_routes, *dashboard_routes,
+                *AdapterApi(AdapterRegistry(store, config.adapter_root, adapter_uploads)).routes],
         middleware=[
             Middleware(RequestIdMiddleware),
+            Middleware(TelemetryMiddleware, telemetry=telemetry),
             Middleware(ErrorGuardMiddleware),
-            Middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes),
-            Middleware(AuthenticationMiddleware, backend=ApiKeyBackend(store), on_error=on_auth_error),
+            Middleware(UploadBodySizeLimit, max_bytes=config.max_body_bytes,
+                       upload_max_bytes=adapter_uploads.max_upload_bytes if adapter_uploads else 0),
+            Middleware(AuthenticationMiddleware, on_error=on_auth_error, backend=TracedAuthBackend(
+                KeylessPagesBackend(ApiKeyBackend(store), telemetry.config.metrics_public), telemetry.tracer)),
         ],
         exception_handlers={ApiError: api_error, HTTPException: http_error},
         lifespan=lifespan,

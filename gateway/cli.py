@@ -1,4 +1,4 @@
-"""The `loraplex` command: serve, worker, tenants, keys.
+"""The `loraplex` command: serve, worker, tenants, keys, adapters.
 
 Flags shared by every subcommand come from one parent parser and each can also be set with a
 LORAPLEX_* environment variable (the flag wins): --model (LORAPLEX_MODEL), --served-model-name
@@ -14,6 +14,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from gateway.adapters_cli import add_adapters_parser
 
 DEFAULT_DATA_DIR = Path.home() / ".loraplex"
 DEFAULT_GATEWAY_PORT = 8000
@@ -48,6 +50,23 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-lora-rank", type=int, default=64)
 
 
+def quota_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Quotas and the fair queue of `serve` (docs/gateway.md, "Quotas and priorities")."""
+    group = parser.add_argument_group("quota and queue options")
+    group.add_argument("--quota-fail-mode", choices=("open", "closed"),
+                       default=env.get("LORAPLEX_QUOTA_FAIL_MODE", "closed"),
+                       help="with --redis-url, while Redis is unreachable: closed answers 503 (default), open "
+                            "enforces limits per replica (also LORAPLEX_QUOTA_FAIL_MODE)")
+    group.add_argument("--quota-lease-ttl", type=float, default=30.0,
+                       help="seconds until a dead gateway's concurrency leases expire (default 30)")
+    group.add_argument("--queue-capacity", type=int, default=None,
+                       help="requests sent to the worker at once (default: --max-num-seqs)")
+    group.add_argument("--queue-timeout", type=float, default=30.0,
+                       help="seconds a request may wait in the gateway queue before 503 (default 30)")
+    group.add_argument("--worker-url", action="append", default=None,
+                       help="use this running worker (secret in LORAPLEX_WORKER_SECRET) instead of starting one")
+
+
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     env = os.environ if env is None else env
     common = common_parser(env)
@@ -57,6 +76,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     serve = sub.add_parser("serve", parents=[common], help="gateway plus one supervised local engine worker")
     engine_options(serve)
     serve.add_argument("--worker-port", type=int, default=None, help="loopback port of the worker (default: free)")
+    quota_options(serve, env)
     serve.set_defaults(handler="gateway.serve:run_serve")
 
     worker = sub.add_parser("worker", parents=[common],
@@ -90,6 +110,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     krevoke = ksub.add_parser("revoke", parents=[common], help="revoke a key for good")
     krevoke.add_argument("key_id")
     keys.set_defaults(handler="gateway.operator_commands:run_keys")
+    add_adapters_parser(sub, env)  # tenants: loraplex adapters upload|list|show|delete
     return parser
 
 

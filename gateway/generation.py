@@ -29,6 +29,7 @@ from gateway.engine_client import (
 )
 from gateway.errors import ApiError, service_unavailable
 from gateway.openai_format import Accumulator, Formatter
+from gateway.request_observer import RequestObserver
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,14 @@ class GenerationResponse(Response):
         self.usage_reporter = usage
         self.accumulator = Accumulator(generation.n)
         self.outcome = "error"
+        self.final_usage = FinalUsage(0, 0, 0, "error")  # set by _finish
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        deltas = self.engine.generate(self.generation.engine_request)
+        observer = RequestObserver.attach(scope, self.generation.admission_request, self.generation.engine_request)
+        if observer is None:
+            deltas = self.engine.generate(self.generation.engine_request)
+        else:  # the worker gets the worker-call span's traceparent; deltas are timed on the way
+            deltas = observer.watch(self.engine.generate(observer.engine_request))
         try:
             async with anyio.create_task_group() as tg:
                 async def answer() -> None:
@@ -87,6 +93,8 @@ class GenerationResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._finish(deltas)
+                if observer is not None:
+                    observer.finish(self.final_usage)
 
     async def _answer(self, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
         try:
@@ -141,7 +149,8 @@ class GenerationResponse(Response):
         except Exception:
             log.exception("closing the engine stream failed")
         acc = self.accumulator
-        usage = FinalUsage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens, self.outcome)
+        usage = self.final_usage = FinalUsage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens,
+                                              self.outcome)
         try:
             await self.admission.release(self.generation.admission_request, self.generation.admitted, usage)
         except Exception:

@@ -78,7 +78,9 @@ def worker_command(args: argparse.Namespace, model: Path, served_name: str, port
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
+    from gateway.adapter_registry import AdapterUploadConfig
     from gateway.app import build_app
     from gateway.gateway_state import GatewayConfig
     from gateway.http_engine_client import HttpEngineClient
@@ -96,15 +98,22 @@ def run_serve(args: argparse.Namespace) -> int:
         model = ensure_demo_model(args.data_dir)
         ensure_demo_tenant(store)
     served_name = args.served_model_name or (model.name if args.model else DEMO_MODEL_NAME)
-    secret = secrets.token_urlsafe(32)
-    worker_port = args.worker_port or free_loopback_port()
-    client = HttpEngineClient(f"http://127.0.0.1:{worker_port}", secret)
-    supervisor = WorkerSupervisor(WorkerLaunch(
-        command=worker_command(args, model, served_name, worker_port), health_client=client, secret=secret,
-        pid_file=args.data_dir / "worker.pid",
-    ))
+    if args.worker_url:  # an external worker: nothing to supervise
+        client, resources = external_worker_client(args.worker_url), None
+    else:
+        secret = secrets.token_urlsafe(32)
+        worker_port = args.worker_port or free_loopback_port()
+        client = HttpEngineClient(f"http://127.0.0.1:{worker_port}", secret)
+        supervisor = WorkerSupervisor(WorkerLaunch(
+            command=worker_command(args, model, served_name, worker_port), health_client=client, secret=secret,
+            pid_file=args.data_dir / "worker.pid",
+        ))
+        resources = supervisor.running
     config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters")
-    app = build_app(config, store, client, Tokenizer(model), resources=supervisor.running)
+    admission = quota_admission(args)
+    uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model), max_lora_rank=args.max_lora_rank)
+    app = build_app(config, store, client, Tokenizer(model), admission=admission, resources=resources,
+                    adapter_uploads=uploads)
     port = args.port or DEFAULT_GATEWAY_PORT
     print(f"loraplex gateway on http://{args.host}:{port}/v1 serving '{served_name}'", flush=True)
     try:
@@ -112,6 +121,35 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
+
+
+def external_worker_client(urls: list[str]):
+    """An HttpEngineClient for `--worker-url` (one for now; the secret comes from LORAPLEX_WORKER_SECRET)."""
+    from gateway.http_engine_client import HttpEngineClient
+    from gateway.supervisor import SECRET_ENV
+
+    if len(urls) != 1:
+        raise CommandError(f"--worker-url was given {len(urls)} times; routing across several workers is not "
+                           "supported yet, give one")
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise CommandError(f"--worker-url needs the worker's shared secret in {SECRET_ENV}")
+    if not urls[0].startswith(("http://", "https://")):
+        raise CommandError(f"--worker-url {urls[0]!r} must be an http:// or https:// URL")
+    return HttpEngineClient(urls[0], secret)
+
+
+def quota_admission(args: argparse.Namespace):
+    """Quotas and the fair queue: Redis-backed with --redis-url, else in memory (ledger in the data dir)."""
+    from gateway.quota_settings import QuotaSettings, build_quota_admission
+
+    try:
+        settings = QuotaSettings(queue_capacity=args.queue_capacity or args.max_num_seqs,
+                                 fail_mode=args.quota_fail_mode, lease_ttl_s=args.quota_lease_ttl,
+                                 queue_timeout_s=args.queue_timeout)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    return build_quota_admission(settings, redis_url=args.redis_url, data_dir=args.data_dir)
 
 
 def run_worker_command(args: argparse.Namespace) -> int:

@@ -28,9 +28,9 @@ def write_kv(
         k, v: (T, H_kv, D); slot_mapping: (T,) int64, slot = block_id * block_size + offset.
     Mutates k_cache and v_cache in place.
     """
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D); a view for both storage layouts
+        flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
 def paged_attention_ref(
@@ -51,8 +51,10 @@ def paged_attention_ref(
         s's keys and values read through its block table and G = H_q / H_kv (grouped-query attention).
         q: (T, H_q, D) -> out: (T, H_q, D), in q's dtype, accumulated in fp32.
 
-    Decode rows (one query token) are computed together in one batched gather; prefill chunks one
-    sequence at a time. This is the CPU path; it does not modify the caches.
+    Decode rows (one query token) are computed together: one gather of every decode sequence's keys
+    and values, head-major so the batched matmuls read them without another copy. Prefill chunks run
+    one sequence at a time through SDPA. Scores and softmax are fp32; the matmuls run in the cache dtype
+    with fp32 accumulation (exact for fp32). This is the CPU path; it does not modify the caches.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -61,27 +63,34 @@ def paged_attention_ref(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    # (H_kv, num_blocks, block_size, D) views: a gather over blocks then yields head-major tensors
+    k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
 
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     if decode:
+        b = len(decode)
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
         max_len = max(lens[i] for i in decode)
         n_blocks = (max_len + block_size - 1) // block_size
-        tables = block_tables[decode, :n_blocks]
-        # (B, L, H_kv, D) gathered keys and values, L = n_blocks * block_size
-        keys = k_cache[tables].flatten(1, 2).float()
-        values = v_cache[tables].flatten(1, 2).float()
-        qd = q[rows].float().view(len(decode), num_kv_heads, group, head_dim)  # (B, H_kv, G, D)
-        scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)) * scale  # (B, H_kv, G, L)
-        pos = torch.arange(keys.shape[1], device=q.device)
+        tables = block_tables[decode, :n_blocks]  # (B, nb)
+        length = n_blocks * block_size
+        flat = tables.reshape(-1)
+        keys = k_heads.index_select(1, flat).view(num_kv_heads * b, length, head_dim)  # (H_kv * B, L, D)
+        values = v_heads.index_select(1, flat).view(num_kv_heads * b, length, head_dim)
+        qd = q[rows].view(b, num_kv_heads, group, head_dim).transpose(0, 1)  # (H_kv, B, G, D)
+        qd = qd.reshape(num_kv_heads * b, group, head_dim).to(keys.dtype)
+        scores = torch.bmm(qd, keys.transpose(1, 2)).float().view(num_kv_heads, b, group, length)
+        pos = torch.arange(length, device=q.device)
         lens_t = torch.tensor([lens[i] for i in decode], device=q.device)
         masked = pos[None, :] >= lens_t[:, None]  # (B, L)
         if sliding_window is not None:
             masked |= pos[None, :] <= (lens_t[:, None] - 1 - sliding_window)
-        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        attn = torch.matmul(probs, values.transpose(1, 2))  # (B, H_kv, G, D)
-        out[rows] = attn.reshape(len(decode), num_heads, head_dim).to(q.dtype)
+        scores = scores.mul_(scale).masked_fill_(masked[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads * b, group, length)  # (H_kv * B, G, L)
+        if values.dtype != torch.float32:
+            probs = probs.to(values.dtype)
+        attn = torch.bmm(probs, values).view(num_kv_heads, b, group, head_dim)  # (H_kv, B, G, D)
+        out[rows] = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)
 
     for i, n in enumerate(query_lens):
         if n <= 1:
@@ -89,8 +98,8 @@ def paged_attention_ref(
         seq_len = lens[i]
         n_blocks = (seq_len + block_size - 1) // block_size
         table = block_tables[i, :n_blocks]
-        keys = k_cache[table].flatten(0, 1)[:seq_len].float()  # (S, H_kv, D)
-        values = v_cache[table].flatten(0, 1)[:seq_len].float()
+        keys = k_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()  # (H_kv, S, D)
+        values = v_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()
         qs = q[starts[i] : starts[i + 1]].float()  # (n, H_q, D)
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
@@ -98,12 +107,8 @@ def paged_attention_ref(
         if sliding_window is not None:
             allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
         attn = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(0, 1),  # (H_q, n, D)
-            keys.transpose(0, 1).repeat_interleave(group, dim=0),
-            values.transpose(0, 1).repeat_interleave(group, dim=0),
-            attn_mask=allowed,
-            scale=scale,
-        )
+            qs.transpose(0, 1), keys, values, attn_mask=allowed, scale=scale, enable_gqa=group > 1
+        )  # (H_q, n, D)
         out[starts[i] : starts[i + 1]] = attn.transpose(0, 1).to(q.dtype)
     return out
 

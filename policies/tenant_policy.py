@@ -23,6 +23,8 @@ Semantics:
     fair_share_weight
         Deficit-round-robin weight within one priority level of the fair queue (2.0 gets twice the tokens
         of 1.0 under sustained contention).
+    max_adapters / max_adapter_bytes
+        Live LoRA adapter versions a tenant may keep uploaded, and their total size in bytes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class TenantPolicy(BaseModel):
     max_priority: int = Field(default=9, ge=0)
     default_priority: int = Field(default=5, ge=0)
     fair_share_weight: float = Field(default=1.0, gt=0.0, le=1_000.0)
+    max_adapters: int = Field(default=100, ge=0)
+    max_adapter_bytes: int = Field(default=20 << 30, ge=0)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> TenantPolicy:

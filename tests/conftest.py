@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.demo import FAMILIES, TinyModelSpec, make_checkpoint, train_tokenizer
+# NOTE: Triton decides between interpreted and compiled kernels when a kernel module is imported, so
+# without a GPU the interpreter is switched on here, before anything imports kernels.*_triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.demo import FAMILIES, TinyModelSpec, make_checkpoint, train_tokenizer  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads, and the suite runs one process per core.
 torch.set_num_threads(1)

@@ -40,9 +40,11 @@ def test_ten_adapters_over_three_slots_with_a_pinned_one(ten_adapters):
     for name, ref in refs.items():
         llm.load_adapter(name, ref.path)
     llm.pin_adapter("a4")
+    llm.pin_adapter("a5")
     with pytest.raises(ValueError, match="one slot must stay free"):
-        llm.pin_adapter("a5")  # 2 of 3 slots pinned: the last stays free
+        llm.pin_adapter("a6")  # 2 of 3 slots pinned: the last stays free
     llm.pin_adapter("a4", False)
+    llm.pin_adapter("a5", False)
     llm.pin_adapter("a3")
 
     names = list(refs)
@@ -176,12 +178,13 @@ def test_adapter_reloaded_from_disk_just_in_time_or_failed_clearly(ten_adapters,
 
 def test_preempted_requests_resume_in_their_slot_with_correct_outputs(ten_adapters):
     model_dir, refs = ten_adapters
-    llm = LLM(model_dir, num_kv_blocks=12, block_size=16, max_loras=2, max_lora_rank=16,
-              max_num_batched_tokens=96)
+    llm = LLM(model_dir, num_kv_blocks=10, block_size=16, max_loras=2, max_lora_rank=16,
+              max_num_batched_tokens=256)
     for name in ("a1", "a2"):
         llm.load_adapter(name, refs[name].path)
-    prompts = random_prompts(llm.engine.model_config.vocab_size, [40, 55, 35, 60, 45], 11)
-    adapters = ["a1", "a2", None, "a1", "a2"]
+    # The prompts fill all 10 blocks exactly: the first decode step must preempt.
+    prompts = random_prompts(llm.engine.model_config.vocab_size, [32, 48, 32, 48], 11)
+    adapters = ["a1", "a2", None, "a1"]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
     assert llm.engine.scheduler.stats.num_preemptions > 0

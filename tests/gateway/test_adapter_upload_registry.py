@@ -1,0 +1,90 @@
+"""AdapterRegistry without HTTP: failures after the file is stored, shared content, limits under concurrency."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import threading
+
+import pytest
+
+from engine.config import ModelConfig
+from gateway.adapter_registry import AdapterRegistry, AdapterUploadConfig, TenantAdapterLimits
+from gateway.errors import ApiError
+from gateway.store import NotFoundError, SqliteStore
+from tests.engine.lora_peft import load_hf_base, make_peft_adapter
+from tests.gateway.adapter_server import LORA_ARGS, adapter_files, tar_gz
+
+
+@pytest.fixture(scope="module")
+def archive(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft")
+    path = root / "ok.tar.gz"
+    path.write_bytes(tar_gz(adapter_files(make_peft_adapter(load_hf_base(llama_dir), root / "ok", 1, **LORA_ARGS).path)))
+    return path
+
+
+@pytest.fixture()
+def registry(llama_dir, tmp_path):
+    store = SqliteStore(tmp_path / "store.db")
+    yield AdapterRegistry(store, tmp_path / "adapters",
+                          AdapterUploadConfig(ModelConfig.from_pretrained(llama_dir), max_lora_rank=8))
+    store.close()
+
+
+def _ingest(registry, tenant, name, archive):
+    work = registry.new_work_dir()
+    try:
+        return registry.ingest(tenant, name, "", archive, work)
+    finally:
+        shutil.rmtree(work)
+
+
+def test_record_failure_after_storing_removes_the_file(registry, archive):
+    ghost = dataclasses.replace(registry.store.create_tenant("real"), id="ten_ghost")  # not in the store
+    with pytest.raises(NotFoundError):
+        _ingest(registry, ghost, "bot", archive)
+    assert registry.storage.digests() == []
+
+
+def test_record_failure_keeps_content_another_record_uses(registry, archive):
+    owner = registry.store.create_tenant("owner")
+    record = _ingest(registry, owner, "bot", archive)
+    ghost = dataclasses.replace(owner, id="ten_ghost")
+    with pytest.raises(NotFoundError):
+        _ingest(registry, ghost, "bot", archive)
+    assert registry.storage.digests() == [record.sha256]
+
+
+def test_concurrent_uploads_cannot_both_pass_the_count_limit(registry, archive):
+    tenant = registry.store.create_tenant("one", policy={"max_adapters": 1})
+    outcomes: list[object] = []
+
+    def upload(name):
+        try:
+            outcomes.append(_ingest(registry, tenant, name, archive))
+        except ApiError as e:
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=upload, args=(f"bot-{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused = [o for o in outcomes if isinstance(o, ApiError)]
+    assert len(outcomes) - len(refused) == 1 and {e.code for e in refused} == {"adapter_quota_exceeded"}
+    assert registry.store.adapter_totals(tenant.id).count == 1
+
+
+def test_limits_come_from_the_policy_else_the_defaults(registry):
+    config = registry.config
+    assert TenantAdapterLimits.for_tenant({}, config) == TenantAdapterLimits(100, 20 << 30)
+    assert TenantAdapterLimits.for_tenant({"max_adapters": 3, "max_adapter_bytes": 10}, config) == \
+        TenantAdapterLimits(3, 10)
+    with pytest.raises(ApiError, match="max_adapters must be a non-negative integer"):
+        TenantAdapterLimits.for_tenant({"max_adapters": "many"}, config)
+
+
+def test_config_is_validated(llama_dir):
+    with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
+        AdapterUploadConfig(ModelConfig.from_pretrained(llama_dir), max_lora_rank=0)

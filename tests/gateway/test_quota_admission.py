@@ -1,0 +1,160 @@
+"""QuotaAdmission through the gateway: headers, 429s, budgets, errors, release on every outcome, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+
+import httpx
+import pytest
+
+from gateway.quota_admission import TenantPolicies
+from gateway.quota_settings import QuotaSettings, build_quota_admission
+from gateway.store import Tenant
+from policies import TenantPolicy
+from tests.gateway.quota_stack import completion_body, in_process_gateway, start_null_worker, wait_null_worker
+
+DURATION = re.compile(r"^(\d+ms|(\d+h)?(\d+m)?\d+(\.\d{1,3})?s)$")
+RATE_HEADERS = [f"x-ratelimit-{kind}-{what}" for kind in ("limit", "remaining", "reset")
+                for what in ("requests", "tokens")]
+
+
+@pytest.fixture(scope="module")
+def worker_url():
+    worker, url = start_null_worker(token_delay_ms=2.0)
+    wait_null_worker(worker, url)
+    yield url
+    worker.stop()
+
+
+@pytest.fixture()
+def gateway(llama_dir, tmp_path, worker_url):
+    admission = build_quota_admission(QuotaSettings(queue_capacity=4))
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, admission)
+    yield gw
+    gw.close()
+
+
+def post(gw, key: str, body: dict) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)
+
+
+def check_retry_after(resp: httpx.Response) -> None:
+    seconds, ms = int(resp.headers["retry-after"]), int(resp.headers["retry-after-ms"])
+    assert ms >= 1 and seconds == max(1, math.ceil(ms / 1000))
+
+
+def test_headers_on_success_and_on_429_are_consistent(gateway):
+    key = gateway.new_tenant("hdr", {"requests_per_minute": 3, "tokens_per_minute": 1000})
+    answers = [post(gateway, key, completion_body(4, 6)) for _ in range(4)]
+    assert [r.status_code for r in answers] == [200, 200, 200, 429]
+    for i, resp in enumerate(answers):
+        assert all(h in resp.headers for h in RATE_HEADERS), resp.headers
+        assert resp.headers["x-ratelimit-limit-requests"] == "3"
+        assert resp.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert DURATION.match(resp.headers["x-ratelimit-reset-requests"]), resp.headers
+        assert DURATION.match(resp.headers["x-ratelimit-reset-tokens"]), resp.headers
+        assert int(resp.headers["x-ratelimit-remaining-requests"]) == max(0, 2 - i)
+    assert int(answers[0].headers["x-ratelimit-remaining-tokens"]) == 1000 - 10
+    refused = answers[3]
+    check_retry_after(refused)
+    assert refused.json()["error"] | {"message": ""} == {
+        "message": "", "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
+    # One request refills in 20 s; the hint is never earlier than that window allows.
+    assert 18_000 <= int(refused.headers["retry-after-ms"]) <= 20_000
+
+
+def test_daily_budget_refuses_at_exactly_the_limit(gateway):
+    key = gateway.new_tenant("budget", {"daily_token_budget": 100, "requests_per_minute": 1000})
+    statuses = [post(gateway, key, completion_body(5, 20)).status_code for _ in range(4)]
+    assert statuses == [200] * 4  # 4 x 25 = 100 = the budget
+    refused = post(gateway, key, completion_body(1, 1))
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "insufficient_quota"
+    assert refused.json()["error"]["type"] == "insufficient_quota"
+    check_retry_after(refused)
+
+
+def test_request_larger_than_the_tenant_allows_is_a_400(gateway):
+    key = gateway.new_tenant("small", {"max_tokens_per_request": 50})
+    resp = post(gateway, key, completion_body(10, 41))
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "request_too_large"
+    assert post(gateway, key, completion_body(10, 40)).status_code == 200
+
+
+def _settled(gw, tenant_id: str) -> tuple[int, int]:
+    usage = asyncio.run(gw.admission.quota.usage(tenant_id))
+    return usage.in_flight, usage.day_tokens
+
+
+def test_a_client_that_disconnects_mid_stream_releases_everything_once(gateway):
+    key = gateway.new_tenant("gone", {"max_concurrent_requests": 1})
+    tenant_id = gateway.store.list_tenants()[-1].id
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", gateway.url + "/v1/completions", headers={"authorization": f"Bearer {key}"},
+            json=completion_body(4, 2000, stream=True)) as resp:
+        assert resp.status_code == 200
+        next(resp.iter_lines())
+    deadline = time.monotonic() + 10
+    while gateway.admission.queue.in_flight or _settled(gateway, tenant_id)[0]:
+        assert time.monotonic() < deadline, "the disconnected request was never released"
+        time.sleep(0.02)
+    in_flight, day_tokens = _settled(gateway, tenant_id)
+    assert 4 < day_tokens < 2004  # reconciled to what was served, not the 2004 reserved
+    assert post(gateway, key, completion_body(4, 1)).status_code == 200  # the only slot is free again
+
+
+def test_a_dead_worker_refunds_the_reservation(llama_dir, tmp_path):
+    admission = build_quota_admission(QuotaSettings(queue_capacity=2))
+    gw = in_process_gateway(llama_dir, tmp_path, "http://127.0.0.1:9", admission)  # nothing listens there
+    try:
+        key = gw.new_tenant("orphan", {})
+        tenant_id = gw.store.list_tenants()[-1].id
+        resp = post(gw, key, completion_body(4, 6))
+        assert resp.status_code == 503
+        assert _settled(gw, tenant_id) == (0, 0)
+        assert admission.queue.in_flight == 0
+    finally:
+        gw.close()
+
+
+def test_an_invalid_stored_policy_falls_back_to_the_defaults(caplog):
+    policies = TenantPolicies()
+    tenant = Tenant(id="ten_x", name="x", created_at=0.0, suspended=False,
+                    policy={"requests_per_minute": -5}, cache_salt="s", shared=False)
+    with caplog.at_level(logging.ERROR, logger="gateway.quota_admission"):
+        assert policies.policy_for(tenant) == TenantPolicy()
+        assert policies.policy_for(tenant) == TenantPolicy()
+    assert len([r for r in caplog.records if "invalid policy" in r.message]) == 1  # once per policy
+    partial = Tenant(id="ten_y", name="y", created_at=0.0, suspended=False,
+                     policy={"max_priority": 4, "tokens_per_minute": 300}, cache_salt="s", shared=False)
+    resolved = policies.policy_for(partial)
+    assert (resolved.default_priority, resolved.max_tokens_per_request) == (4, 300)
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_redis_stopped_mid_test_fails_as_configured(llama_dir, tmp_path, worker_url, redis_server, mode):
+    settings = QuotaSettings(queue_capacity=2, fail_mode=mode, redis_timeout_s=0.3)
+    admission = build_quota_admission(settings, redis_url=redis_server.url)
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, admission)
+    try:
+        key = gw.new_tenant("outage", {"requests_per_minute": 3})
+        assert post(gw, key, completion_body(4, 2)).status_code == 200  # shared limit: 1 of 3 used
+        redis_server.stop()
+        answers = [post(gw, key, completion_body(4, 2)) for _ in range(4)]
+        stats = admission.stats()
+        assert stats["quota_degraded"] and stats["quota_outages"] == 1
+        if mode == "closed":
+            assert [r.status_code for r in answers] == [503] * 4
+            assert all(r.json()["error"]["code"] == "quota_unavailable" for r in answers)
+            for r in answers:
+                check_retry_after(r)
+            assert stats["quota_refused_unavailable"] == 4
+        else:  # local limits of this replica: a fresh bucket of 3
+            assert [r.status_code for r in answers] == [200, 200, 200, 429]
+            assert stats["quota_fallback_admissions"] == 4
+    finally:
+        gw.close()

@@ -1,0 +1,175 @@
+"""Quotas exact across gateway replicas: two `loraplex serve` processes share one redis-server and one
+null worker process; a third is killed mid-request to show its lease expires within the ttl."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from gateway.store import open_store
+from tests.gateway.quota_stack import (
+    completion_body,
+    start_gateway,
+    start_null_worker,
+    start_redis,
+    wait_null_worker,
+)
+
+pytestmark = pytest.mark.slow
+
+LEASE_TTL_S = 2.0
+TOKEN_DELAY_MS = 10.0
+
+
+@pytest.fixture(scope="module")
+def replicas(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    redis_proc, redis_url = start_redis(root)
+    worker, worker_url = start_null_worker(TOKEN_DELAY_MS)
+    flags = ("--redis-url", redis_url, "--quota-lease-ttl", str(LEASE_TTL_S), "--queue-capacity", "64")
+    gateways = [start_gateway(llama_dir, root / f"g{i}", worker_url, *flags) for i in range(2)]
+    try:
+        wait_null_worker(worker, worker_url)
+        for g in gateways:
+            g.wait()
+        store = open_store(redis_url)
+        yield {"gateways": gateways, "store": store, "redis_url": redis_url, "worker_url": worker_url,
+               "flags": flags, "root": root, "model": llama_dir}
+        store.close()
+    finally:
+        for g in gateways:
+            g.stop()
+        worker.stop()
+        redis_proc.stop()
+
+
+def new_key(store, name: str, policy: dict) -> str:
+    tenant = store.create_tenant(name, policy=policy)
+    return store.create_api_key(tenant.id)[0]
+
+
+async def _fire(urls: list[str], key: str, body: dict, count: int, spacing_s: float
+                ) -> list[httpx.Response]:
+    headers = {"authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        async def one(i: int) -> httpx.Response:
+            await asyncio.sleep(i * spacing_s)  # alternating replicas, spread over the window
+            return await client.post(urls[i % len(urls)] + "/v1/completions", json=body, headers=headers)
+
+        return await asyncio.gather(*[one(i) for i in range(count)])
+
+
+@pytest.mark.parametrize("limit", ["requests", "tokens"])
+def test_exactly_the_limit_is_accepted_across_two_replicas(replicas, limit):
+    if limit == "requests":
+        policy = {"requests_per_minute": 30, "max_concurrent_requests": 200}
+        body = completion_body(4, 1)
+    else:  # 10 tokens a request, 300 a minute: 30 requests
+        policy = {"tokens_per_minute": 300, "requests_per_minute": 10_000, "max_concurrent_requests": 200}
+        body = completion_body(4, 6)
+    key = new_key(replicas["store"], f"flood-{limit}", policy)
+    urls = [g.url for g in replicas["gateways"]]
+    started = time.monotonic()
+    responses = asyncio.run(_fire(urls, key, body, 90, spacing_s=0.01))
+    elapsed = time.monotonic() - started
+    # The buckets refill 0.5 requests (5 tokens) a second: a 31st could only fit after 2 s.
+    assert elapsed < 2.0, f"the flood took {elapsed:.2f}s; the window assumption does not hold"
+    statuses = [r.status_code for r in responses]
+    assert statuses.count(200) == 30, statuses
+    assert statuses.count(429) == 60, statuses
+    by_replica = {url: sum(1 for i, r in enumerate(responses) if i % 2 == urls.index(url) and r.status_code == 200)
+                  for url in urls}
+    assert all(n > 0 for n in by_replica.values()), by_replica  # both replicas admitted some
+    for r in responses:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert int(r.headers["retry-after"]) >= 1 and int(r.headers["retry-after-ms"]) >= 1
+            cost = 1 if limit == "requests" else 10
+            assert int(r.headers[f"x-ratelimit-remaining-{limit}"]) < cost
+
+
+def _sample_worker_running(worker_url: str, stop: threading.Event, seen: list[int]) -> None:
+    with httpx.Client(headers={"x-loraplex-worker-secret": "quota-test-secret"}) as client:
+        while not stop.is_set():
+            seen.append(client.get(worker_url + "/state").json()["num_running"])
+            time.sleep(0.01)
+
+
+def test_concurrency_limit_holds_under_twenty_parallel_streams(replicas):
+    key = new_key(replicas["store"], "streams", {"max_concurrent_requests": 2, "requests_per_minute": 10_000})
+    urls = [g.url for g in replicas["gateways"]]
+    intervals: list[tuple[float, float]] = []
+    refusals: list[str] = []
+
+    async def one_stream(client: httpx.AsyncClient, i: int) -> None:
+        body = completion_body(4, 12, stream=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            async with client.stream("POST", urls[i % 2] + "/v1/completions", json=body,
+                                     headers={"authorization": f"Bearer {key}"}) as resp:
+                if resp.status_code == 429:
+                    refusals.append((await resp.aread()).decode())
+                    await asyncio.sleep(0.03)
+                    continue
+                assert resp.status_code == 200
+                begun = time.monotonic()
+                chunks = [line async for line in resp.aiter_lines() if line.startswith("data:")]
+                intervals.append((begun, time.monotonic()))
+                assert chunks[-1] == "data: [DONE]"
+                return
+        raise AssertionError("a stream never got admitted")
+
+    async def all_streams() -> None:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=40)) as client:
+            await asyncio.gather(*[one_stream(client, i) for i in range(20)])
+
+    stop, seen = threading.Event(), []
+    sampler = threading.Thread(target=_sample_worker_running, args=(replicas["worker_url"], stop, seen))
+    sampler.start()
+    try:
+        asyncio.run(all_streams())
+    finally:
+        stop.set()
+        sampler.join()
+    assert len(intervals) == 20
+    assert max(seen) <= 2, max(seen)
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    overlap = peak = 0
+    for _, step in points:
+        overlap += step
+        peak = max(peak, overlap)
+    assert peak == 2  # the limit was reached (so the check above could fail) and never exceeded
+    assert refusals and all('"rate_limit_exceeded"' in r for r in refusals)
+
+
+def test_a_killed_gateway_frees_its_lease_within_the_ttl(replicas):
+    key = new_key(replicas["store"], "killed", {"max_concurrent_requests": 1, "requests_per_minute": 10_000})
+    doomed = start_gateway(replicas["model"], replicas["root"] / "doomed", replicas["worker_url"],
+                           *replicas["flags"]).wait()
+    survivor = replicas["gateways"][0].url
+    headers = {"authorization": f"Bearer {key}"}
+    try:
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", doomed.url + "/v1/completions", headers=headers,
+                               json=completion_body(4, 2000, stream=True)) as resp:
+                assert resp.status_code == 200
+                next(resp.iter_lines())  # it is running: the lease is held
+                doomed.kill()
+                killed_at = time.monotonic()
+            refused = client.post(survivor + "/v1/completions", headers=headers, json=completion_body(4, 1))
+            assert refused.status_code == 429, refused.text  # the dead gateway's lease still counts
+            while True:
+                resp = client.post(survivor + "/v1/completions", headers=headers, json=completion_body(4, 1))
+                if resp.status_code == 200:
+                    break
+                assert resp.status_code == 429
+                assert time.monotonic() - killed_at < LEASE_TTL_S + 1.0, "the lease outlived its ttl"
+                time.sleep(0.05)
+    finally:
+        doomed.stop()
+    assert time.monotonic() - killed_at <= LEASE_TTL_S + 1.0
