@@ -159,9 +159,9 @@ class AsyncLLM:
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
                 continue
             self.step_count += 1
+            self._stats = self.engine.stats()  # before delivering: a caller that saw a token sees this step
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
-            self._stats = self.engine.stats()
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -90,6 +90,11 @@ class Request:
         """Scheduling order: lower priority number first, then earlier arrival."""
         return (self.priority, self.arrival_time, self.request_id)
 
-    def token_at(self, index: int) -> int:
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without materialising the whole sequence (hot path: decode)."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

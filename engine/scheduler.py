@@ -187,8 +187,7 @@ class Scheduler:
         for req, n in scheduled:
             start = req.num_computed_tokens
             query_start = len(token_ids)
-            all_ids = req.all_token_ids
-            token_ids.extend(all_ids[start : start + n])
+            token_ids.extend(req.tokens_between(start, start + n))
             positions.extend(range(start, start + n))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))

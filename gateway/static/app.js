@@ -34,6 +34,7 @@ const fmtPct = (r) => (r === null || r === undefined ? "–" : (100 * r).toFixed
 const fmtMs = (ms) => (ms === null || ms === undefined ? "–" : ms >= 1000 ? (ms / 1000).toFixed(2) + "s" : ms.toFixed(0) + "ms");
 const fmtBytes = (b) => (b >= 1 << 20 ? (b / (1 << 20)).toFixed(1) + " MiB" : b >= 1024 ? (b / 1024).toFixed(1) + " KiB" : b + " B");
 const fmtTime = (t) => new Date(t * 1000).toLocaleString("en-GB", { hour12: false });
+const clockSeconds = (t) => new Date(t * 1000).toLocaleTimeString("en-GB", { hour12: false });
 const clock = (t) => new Date(t * 1000).toLocaleTimeString("en-GB", { hour12: false, hour: "2-digit", minute: "2-digit" });
 
 function toast(message, bad = false) {
@@ -102,7 +103,7 @@ function svg(tag, attrs) {
 function niceMax(v) {
   if (!(v > 0)) return 1;
   const p = Math.pow(10, Math.floor(Math.log10(v)));
-  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
+  for (const m of [1, 2, 4, 6, 8, 10]) if (m * p >= v) return m * p; // quarter gridlines stay round
   return 10 * p;
 }
 // series: [{values: [number|null], color}], times: [posix seconds]
@@ -118,14 +119,15 @@ function lineChart(container, times, series, opts = {}) {
     const v = (max * g) / 4;
     root.append(svg("line", { x1: pad.l, x2: W - pad.r, y1: y(v), y2: y(v), class: "grid" }));
     const label = svg("text", { x: pad.l - 6, y: y(v) + 3, "text-anchor": "end", class: "axis" });
-    label.textContent = opts.format ? opts.format(v) : fmtNum(v);
+    label.textContent = opts.format ? opts.format(v) : Math.abs(v) >= 1e4 ? fmtNum(v) : String(+v.toFixed(2));
     root.append(label);
   }
   const ticks = 5;
   for (let k = 0; k <= ticks; k++) {
     const i = Math.round((k / ticks) * (times.length - 1));
     const label = svg("text", { x: x(i), y: H - 5, "text-anchor": k === 0 ? "start" : k === ticks ? "end" : "middle", class: "axis" });
-    label.textContent = clock(times[i] || 0);
+    const span = (times[times.length - 1] || 0) - (times[0] || 0);
+    label.textContent = span <= 900 ? clockSeconds(times[i] || 0) : clock(times[i] || 0);
     root.append(label);
   }
   let drawn = 0, nonzero = 0;
@@ -144,6 +146,12 @@ function lineChart(container, times, series, opts = {}) {
       root.append(svg("path", { d: area, fill: s.color, "fill-opacity": 0.12, stroke: "none" }));
     }
     root.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 2, "stroke-linejoin": "round", "stroke-linecap": "round" }));
+    s.values.forEach((v, i) => { // a point with no neighbour draws no line: mark it
+      const alone = (k) => k < 0 || k >= s.values.length || s.values[k] === null || s.values[k] === undefined;
+      if (v !== null && v !== undefined && alone(i - 1) && alone(i + 1)) {
+        root.append(svg("circle", { cx: x(i).toFixed(1), cy: y(v).toFixed(1), r: 3, fill: s.color }));
+      }
+    });
   }
   if (!drawn) {
     const t = svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" });
@@ -253,6 +261,8 @@ function editableLimit(tenant, field, testid) {
     const finish = async (save) => {
       if (done) return;
       done = true;
+      input.classList.remove("edit-input"); // the editor is closing: let the table redraw
+      input.disabled = true;
       const next = Number(input.value);
       if (save && Number.isInteger(next) && next !== value) {
         try {
