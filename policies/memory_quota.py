@@ -66,9 +66,10 @@ class MemoryQuotaBackend(QuotaBackend):
         return self._budget_tokens[key]
 
     def _book(self, tenant_id: str, period: str, delta: int) -> None:
+        booked = self._booked(tenant_id, period)  # NOTE: read before the ledger write, or it counts twice
         if self._ledger is not None:
             self._ledger.add(tenant_id, period, delta)  # durable first, then visible
-        self._budget_tokens[(tenant_id, period)] = self._booked(tenant_id, period) + delta
+        self._budget_tokens[(tenant_id, period)] = booked + delta
 
     async def admit(self, tenant_id: str, policy: TenantPolicy, prompt_tokens: int, max_tokens: int,
                     now: float | None = None) -> Admission:

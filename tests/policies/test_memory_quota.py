@@ -158,3 +158,17 @@ def test_budget_usage_survives_a_restart_through_the_ledger(tmp_path):
 
     run(first_life())
     run(second_life())
+
+
+def test_first_booking_with_a_ledger_counts_once(tmp_path):
+    async def go():
+        ledger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        backend = MemoryQuotaBackend(ledger=ledger)
+        policy = TenantPolicy(monthly_token_budget=1000)  # the day period is booked without being checked
+        first = await backend.admit("a", policy, 300, 300, T0)
+        await backend.reconcile(first.lease, 450, T0)
+        usage = await backend.usage("a", T0)
+        assert (usage.day_tokens, usage.month_tokens) == (450, 450)
+        ledger.close()
+
+    run(go())
