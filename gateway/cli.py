@@ -37,6 +37,8 @@ def common_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                        help="store, adapters and the demo model live here")
     group.add_argument("--redis-url", default=env.get("LORAPLEX_REDIS_URL"),
                        help="use Redis (shared by gateway replicas) instead of <data-dir>/store.db")
+    group.add_argument("--otlp-endpoint", default=env.get("LORAPLEX_OTLP_ENDPOINT") or None,
+                       help="export OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://host:4318)")
     return common
 
 

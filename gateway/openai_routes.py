@@ -6,6 +6,8 @@ admission (the policies seam) → a GenerationResponse that streams or collects 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 
 from starlette.concurrency import run_in_threadpool
@@ -14,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.protocol import GenerateRequest
-from gateway.admission import AdmissionRequest
+from gateway.admission import AdmissionRequest, Admitted, FinalUsage
 from gateway.auth import TENANT_SCOPE, TenantUser, require_scope
 from gateway.errors import invalid_request, model_not_found
 from gateway.gateway_state import GatewayState
@@ -71,14 +73,46 @@ async def _start(request: Request, state: GatewayState, user: TenantUser,
         requested_priority=body.priority, prompt_tokens=len(prompt_ids), max_tokens=sampling["max_tokens"],
         n=body.n,
     )
-    admitted = await state.admission.admit(ticket)  # may raise ApiError (429, 503, 400)
-    engine_request = GenerateRequest(
-        request_id=formatter.response_id, prompt_token_ids=prompt_ids, sampling=sampling,
-        priority=admitted.priority, adapter=resolved.adapter_spec(state.adapter_root),
-        cache_salt=user.tenant.cache_salt, traceparent=request.headers.get("traceparent"),
-    )
-    generation = Generation(ticket, admitted, engine_request, formatter, body.n, body.stream, body.include_usage)
-    return GenerationResponse(generation, state.engine, state.admission, state.usage)
+    admitted = await _admit_while_connected(request, state, ticket)  # may raise ApiError (429, 503, 400)
+    if admitted is None:
+        return Response(status_code=499)  # the client left while queued; nobody reads this
+    try:
+        engine_request = GenerateRequest(
+            request_id=formatter.response_id, prompt_token_ids=prompt_ids, sampling=sampling,
+            priority=admitted.priority, adapter=resolved.adapter_spec(state.adapter_root),
+            cache_salt=user.tenant.cache_salt, traceparent=request.headers.get("traceparent"),
+        )
+        generation = Generation(ticket, admitted, engine_request, formatter, body.n, body.stream,
+                                body.include_usage)
+        return GenerationResponse(generation, state.engine, state.admission, state.usage)
+    except BaseException:
+        # NOTE: from here on GenerationResponse owns the release; until then a failure must release here.
+        await state.admission.release(ticket, admitted, FinalUsage(0, 0, 0, "error"))
+        raise
+
+
+async def _admit_while_connected(request: Request, state: GatewayState, ticket: AdmissionRequest) -> Admitted | None:
+    """Admission (which may wait in the fair queue), abandoned if the client disconnects meanwhile.
+
+    Returns None when the client went away; the admission's own cancellation releases what it took.
+    """
+    admit = asyncio.ensure_future(state.admission.admit(ticket))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({admit, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if admit.done():
+        return admit.result()
+    admit.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await admit
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def list_models(request: Request) -> Response:

@@ -72,6 +72,7 @@ def worker_command(args: argparse.Namespace, model: Path, served_name: str, port
         "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
         "--max-num-seqs", str(args.max_num_seqs), "--max-loras", str(args.max_loras),
         "--max-lora-rank", str(args.max_lora_rank),
+        *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []),
     ]
 
 
@@ -86,6 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.http_engine_client import HttpEngineClient
     from gateway.operator_commands import open_cli_store
     from gateway.supervisor import WorkerLaunch, WorkerSupervisor
+    from gateway.telemetry import Telemetry, TelemetryConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -112,8 +114,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters")
     admission = quota_admission(args)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model), max_lora_rank=args.max_lora_rank)
+    telemetry = Telemetry(TelemetryConfig(otlp_endpoint=args.otlp_endpoint))
     app = build_app(config, store, client, Tokenizer(model), admission=admission, resources=resources,
-                    adapter_uploads=uploads)
+                    adapter_uploads=uploads, telemetry=telemetry)
     port = args.port or DEFAULT_GATEWAY_PORT
     print(f"loraplex gateway on http://{args.host}:{port}/v1 serving '{served_name}'", flush=True)
     try:
@@ -169,5 +172,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     llm = AsyncLLM.from_config(config)
     served_name = args.served_model_name or Path(args.model).name
-    run_worker(llm, served_name, secret, host=args.host, port=args.port or DEFAULT_WORKER_PORT)
+    from gateway.tracing import WORKER_SERVICE_NAME, build_tracer_provider
+
+    run_worker(llm, served_name, secret, host=args.host, port=args.port or DEFAULT_WORKER_PORT,
+               tracer_provider=build_tracer_provider(WORKER_SERVICE_NAME, args.otlp_endpoint))
     return 0

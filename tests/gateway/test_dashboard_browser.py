@@ -62,6 +62,8 @@ def test_operator_edits_a_limit_and_the_gateway_enforces_it(llama_dir, tmp_path)
             expect(page.locator("#kpi-requests-sub")).to_contain_text("2 refused", timeout=15_000)
             expect(page.locator("#audit-table")).to_contain_text(f"requests_per_minute: null → {NEW_LIMIT}")
 
+            expect(page.locator('tr[data-tenant="acme"]')).to_contain_text(f"9 / {NEW_LIMIT}", timeout=15_000)
+            page.evaluate("document.getElementById('toast').hidden = true")
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             browser.close()

@@ -107,6 +107,28 @@ def test_a_client_that_disconnects_mid_stream_releases_everything_once(gateway):
     assert post(gateway, key, completion_body(4, 1)).status_code == 200  # the only slot is free again
 
 
+def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(llama_dir, tmp_path, worker_url):
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, build_quota_admission(QuotaSettings(queue_capacity=1)))
+    try:
+        key = gw.new_tenant("queued", {"max_concurrent_requests": 4})
+        headers = {"authorization": f"Bearer {key}"}
+        with httpx.Client(timeout=30) as holder, holder.stream(
+                "POST", gw.url + "/v1/completions", headers=headers, json=completion_body(4, 2000, stream=True)) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the only worker slot is taken
+            waiter = httpx.Client(timeout=0.5)
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, then gives up
+                waiter.post(gw.url + "/v1/completions", headers=headers, json=completion_body(4, 1))
+            waiter.close()
+            deadline = time.monotonic() + 5
+            while gw.admission.queue.waiting:
+                assert time.monotonic() < deadline, "the abandoned request kept its place in the queue"
+                time.sleep(0.02)
+            assert gw.admission.queue.in_flight == 1  # the stream still holds its slot
+    finally:
+        gw.close()
+
+
 def test_a_dead_worker_refunds_the_reservation(llama_dir, tmp_path):
     admission = build_quota_admission(QuotaSettings(queue_capacity=2))
     gw = in_process_gateway(llama_dir, tmp_path, "http://127.0.0.1:9", admission)  # nothing listens there
