@@ -113,14 +113,15 @@ def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(llama_d
         key = gw.new_tenant("queued", {"max_concurrent_requests": 4})
         headers = {"authorization": f"Bearer {key}"}
         with httpx.Client(timeout=30) as holder, holder.stream(
-                "POST", gw.url + "/v1/completions", headers=headers, json=completion_body(4, 2000, stream=True)) as r:
+                "POST", gw.url + "/v1/completions", headers=headers, json=completion_body(4, 4000, stream=True)) as r:
             assert r.status_code == 200
-            next(r.iter_lines())  # the only worker slot is taken
+            lines = r.iter_lines()  # NOTE: keep the iterator alive; dropping it closes the stream
+            next(lines)  # the only worker slot is taken
             waiter = httpx.Client(timeout=0.5)
             with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, then gives up
                 waiter.post(gw.url + "/v1/completions", headers=headers, json=completion_body(4, 1))
             waiter.close()
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 2  # the stream ahead of it runs for 8 s
             while gw.admission.queue.waiting:
                 assert time.monotonic() < deadline, "the abandoned request kept its place in the queue"
                 time.sleep(0.02)
