@@ -160,6 +160,11 @@ class AsyncLLM:
                 continue
             self.step_count += 1
             self._stats = self.engine.stats()  # before delivering: a caller that saw a token sees this step
+            if not outputs and not self.engine.scheduler.running:
+                # Everything waits on something off the loop (a grammar compile, an adapter read): nap
+                # briefly instead of spinning; a new command wakes the loop at once.
+                self._wake.wait(timeout=0.002)
+                self._wake.clear()
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
 

@@ -5,7 +5,8 @@ background reloads) and the device buffers (engine.lora_buffers: stacked A/B per
 scheduler calls two hooks:
 
 - `admission_check(request, active_slots)`: the slot a waiting request runs in (-1 for the base model),
-  or None to keep it waiting while its adapter is read from disk or while every slot is held. Copying an
+  or None to keep it waiting while its adapter is read from disk or while every slot is held (and then
+  later requests for resident adapters wait too, so that a slot drains for it). Copying an
   adapter into a slot happens here, between steps (never inside a forward). Eviction takes the least
   recently used slot that no unfinished request holds and the user did not pin.
 - `on_release(request)`: drops the request's slot pin and its hold on the host entry (finish, abort,
@@ -56,6 +57,9 @@ class LoRASlots:
         self._tick = 0
         self._held: dict[str, AdapterRef] = {}  # request id -> adapter it uses (host hold)
         self._admitted: dict[str, int] = {}  # request id -> slot it pins
+        # Waiting requests whose adapter is in host memory but finds every slot held, by sort key. While
+        # one waits, later requests stop pinning resident slots, so the slots drain (no starvation).
+        self._starving: dict[str, tuple] = {}
 
     # ----- adapter management (engine API) ------------------------------------------------------------
 
@@ -106,10 +110,15 @@ class LoRASlots:
         slot = self._admitted.get(req.request_id)  # resumed after preemption: same slot
         if slot is None:
             slot = self._slot_of.get(req.adapter)
+            if slot is not None and any(key < req.sort_key for key in self._starving.values()):
+                return None  # an earlier request waits for a slot: let the resident ones drain
             if slot is None:
                 slot = self._load_into_slot(req.adapter)
                 if slot is None:
+                    if self.host.get(req.adapter) is not None:  # in memory, but every slot is held
+                        self._starving[req.request_id] = req.sort_key
                     return None
+            self._starving.pop(req.request_id, None)
             self._pins[slot] += 1
             self._admitted[req.request_id] = slot
         self._tick += 1
@@ -117,6 +126,7 @@ class LoRASlots:
         return slot
 
     def on_release(self, req: Request) -> None:
+        self._starving.pop(req.request_id, None)
         slot = self._admitted.pop(req.request_id, None)
         if slot is not None:
             self._pins[slot] -= 1

@@ -195,3 +195,28 @@ def test_preempted_requests_resume_in_their_slot_with_correct_outputs(ten_adapte
         assert out.outputs[0].token_ids == reference.greedy(prompt, MAX_NEW, eos)[0]
     assert llm.engine.stats().lora_slot_evictions == 0
     llm.engine.scheduler.check_integrity()
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_resident_adapters(ten_adapters):
+    model_dir, refs = ten_adapters
+    llm = LLM(model_dir, num_kv_blocks=256, max_loras=2, max_lora_rank=16)
+    engine = llm.engine
+    for name in ("a0", "a1", "a2"):
+        llm.load_adapter(name, refs[name].path)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    prompts = iter(random_prompts(vocab, [7] * 400, 9))
+    for i in range(4):
+        engine.add_request(f"busy{i}", {"prompt_token_ids": next(prompts)}, params, adapter=f"a{i % 2}")
+    engine.step()  # a0 and a1 now hold both slots
+    engine.add_request("late", {"prompt_token_ids": next(prompts)}, params, adapter="a2")
+    finished_late = False
+    for step in range(60):  # a steady stream of new work for the resident adapters
+        engine.add_request(f"more{step}", {"prompt_token_ids": next(prompts)}, params, adapter=f"a{step % 2}")
+        finished_late |= any(o.request_id == "late" and o.finished for o in engine.step())
+        if finished_late:
+            break
+    assert finished_late, "the a2 request never got a slot"
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.check_integrity()
