@@ -32,13 +32,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
-_WORDS = (
-    "the model serves many tenants with their own adapters and a shared base while the cache keeps "
-    "prefixes of system prompts hot across requests so that each token costs less time memory and money "
-    "json schema object array string number integer true false null name value key list of items with "
-    "id email date price total count status ok error user assistant system hello world please answer "
-    "question what why how when where which who can could would should will shall may might must"
-).split()
+_WORDS = ["the", "model", "serves", "many", "tenants", "with", "their", "own", "adapters", "and", "a", "shared", "base", "while", "the", "cache", "keeps", "prefixes", "of", "system", "prompts", "hot", "across", "requests", "so", "that", "each", "token", "costs", "less", "time", "memory", "and", "money", "json", "schema", "object", "array", "string", "number", "integer", "true", "false", "null", "name", "value", "key", "list", "of", "items", "with", "id", "email", "date", "price", "total", "count", "status", "ok", "error", "user", "assistant", "system", "hello", "world", "please", "answer", "question", "what", "why", "how", "when", "where", "which", "who", "can", "could", "would", "should", "will", "shall", "may", "might", "must"]
 _UNICODE = ["héllo", "naïve", "café", "日本語", "中文字", "한국어", "😀", "🚀", "👩‍💻", "Ωmega", "→", "ß", "€", "🙂"]
 _SYMBOLS = ['{"', '":', '",', "}", "[", "]", ", ", ": ", "0", "1", "2", "3", "42", "3.14", "-7", "\n", "\t"]
 
@@ -47,7 +41,7 @@ def synthetic_corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     """Deterministic mixed text to train on: English-like words, a Zipf-distributed lexicon of
     pseudo-words (enough distinct merges for an 8k vocabulary), JSON-ish symbols, CJK and emoji."""
     rng = random.Random(seed)
-    onsets, vowels, codas = "b c d f g h k l m n p r s t v w z ch sh th st tr pl".split(), "a e i o u ai ou ea".split(), [
+    onsets, vowels, codas = ["b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "ch", "sh", "th", "st", "tr", "pl"], ["a", "e", "i", "o", "u", "ai", "ou", "ea"], [
         "", "", "n", "r", "s", "t", "l", "nd", "st"]
     lexicon = sorted({
         "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3)))
@@ -264,6 +258,13 @@ def random_state_dict(spec: TinyModelSpec, vocab_size: int, seed: int = 0) -> di
     return sd
 
 
+def _token_id(tok, token: str) -> int:
+    tid = tok.token_to_id(token)
+    if tid is None:
+        raise ValueError(f"the tokenizer has no {token!r} token")
+    return tid
+
+
 def make_checkpoint(
     out_dir: str | Path,
     spec: TinyModelSpec | str = "llama",
@@ -295,7 +296,7 @@ def make_checkpoint(
     real_vocab = tok.get_vocab_size()
     # Round the embedding up like real checkpoints do (vocab padded to a multiple of 64).
     model_vocab = (real_vocab + 63) // 64 * 64
-    bos_id, eos_id, eot_id = (tok.token_to_id(t) for t in (BOS, EOS, EOT))
+    bos_id, eos_id, eot_id = (_token_id(tok, t) for t in (BOS, EOS, EOT))
     cfg = _config_dict(spec, model_vocab, bos_id, [eot_id, eos_id])
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -46,7 +46,7 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         if adapters is not None and len(adapters) != len(prompts):
             raise ValueError(f"give one adapter (or None) per prompt: {len(adapters)} for {len(prompts)} prompts")
-        ids = []
+        ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, param_list, strict=True)):
             rid = f"offline-{next(self._ids)}"
             try:

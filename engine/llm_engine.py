@@ -15,8 +15,8 @@ from engine.plan import SampledToken
 from engine.request import AdapterRef, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputManager
 from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from grammar import GrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class SampleRow:
     output_token_ids: list[int]  # for presence/frequency penalties and min_tokens
     eos_token_ids: tuple[int, ...]  # suppressed while len(output) < min_tokens
     generator_seed: int | None  # per-request seed; the runner keeps one generator per request
-    grammar: object | None = None  # grammar matcher whose bitmask constrains this row
+    grammar: GrammarMatcher | None = None  # grammar matcher whose bitmask constrains this row
 
 
 @dataclass(frozen=True)

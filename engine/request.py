@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -66,7 +70,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    grammar: object | None = None  # a grammar matcher once compiled (grammar package)
+    grammar: GrammarMatcher | None = None  # a grammar matcher once compiled (grammar package)
     error: str | None = None
 
     @property

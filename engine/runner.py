@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from engine.loader import load_weights
 from engine.models.llama import AttentionInputs, LlamaModel
 from engine.plan import BatchPlan, ModelOutput, SampleRow
 from engine.sampler import Sampler
+
+if TYPE_CHECKING:
+    from engine.lora_slots import LoRASlots
 
 
 class ModelRunner:
@@ -31,7 +35,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.kv_caches = [(self._kv_buffer(), self._kv_buffer()) for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
-        self.lora = None  # engine.lora_slots.LoRASlots, set by the engine: builds each step's LoRAContext
+        self.lora: LoRASlots | None = None  # set by the engine: builds each step's LoRAContext
         # StructuredOutputManager.fill, set by the engine: (bitmask, constrained row indices) for a step
         self.grammar_masker: Callable[[list[SampleRow]], tuple[torch.Tensor, list[int]] | None] | None = None
 

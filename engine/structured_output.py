@@ -19,6 +19,7 @@ from engine.plan import SampleRow
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from grammar import (
+    DEFAULT_BACKEND,
     CompiledGrammar,
     GrammarCompiler,
     GrammarError,
@@ -46,7 +47,7 @@ class StructuredOutputManager:
     def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...], backend: str | None = None) -> None:
         info = TokenizerInfo.from_file(model_dir, eos_token_ids=list(eos_token_ids))
         self.vocab_size = info.vocab_size
-        self.compiler = GrammarCompiler(info, **({"backend": backend} if backend else {}))
+        self.compiler = GrammarCompiler(info, backend=backend or DEFAULT_BACKEND)
         self._pending: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         self._bitmask = allocate_bitmask(8, self.vocab_size)
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -47,8 +47,8 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        eos = {self._tok.token_to_id(self.eos_token)} if self.eos_token else set()
-        self.eos_token_ids = tuple(sorted((eos | set(extra_eos_ids)) - {None}))
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted({*extra_eos_ids, *([] if eos_id is None else [eos_id])}))
         self.special_token_ids = frozenset(
             tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         )
@@ -57,7 +57,7 @@ class Tokenizer:
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.globals["raise_exception"] = _raise
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = None
+        self._template: Template | None = None
 
     @property
     def backend(self) -> HFTokenizer:

@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -94,7 +94,7 @@ class WorkerService:
             if spans is not None:
                 spans.finish(error)
 
-    async def _run(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | GenerateError]:
+    async def _run(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta | GenerateError, None]:
         rid = request.request_id
         try:
             params = SamplingParams(**request.sampling)

@@ -8,6 +8,7 @@ wider (padded to a multiple of 64): those padded ids are always masked.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
     rows = list(range(len(matchers))) if rows is None else list(rows)
     if len(rows) != len(matchers) or any(not 0 <= r < bitmask.shape[0] for r in rows):
         raise ValueError(f"{len(matchers)} matchers need as many rows within 0..{bitmask.shape[0] - 1}, got {rows}")
-    groups: dict[int, tuple[object, list[GrammarMatcher], list[int]]] = {}
+    groups: dict[int, tuple[Any, list[GrammarMatcher], list[int]]] = {}
     for matcher, row in zip(matchers, rows, strict=True):
         backend = matcher.backend  # type: ignore[attr-defined]
         groups.setdefault(id(backend), (backend, [], []))

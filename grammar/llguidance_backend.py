@@ -89,6 +89,8 @@ class LLGuidanceMatcher(GrammarMatcher):
 
 
 class LLGuidanceGrammar(CompiledGrammar):
+    backend: LLGuidanceBackend
+
     def __init__(self, spec: GrammarSpec, backend: LLGuidanceBackend, template: llguidance.LLMatcher) -> None:
         self.spec = spec
         self.backend = backend
@@ -130,7 +132,7 @@ class LLGuidanceBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=_JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
         else:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.as_regex())
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits())

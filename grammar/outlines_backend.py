@@ -63,6 +63,8 @@ def _bit(position: int) -> int:
 
 
 class OutlinesGrammar(CompiledGrammar):
+    backend: OutlinesBackend
+
     def __init__(self, spec: GrammarSpec, backend: OutlinesBackend, index: outlines_core.Index) -> None:
         self.spec = spec
         self.backend = backend
