@@ -112,3 +112,39 @@ def test_every_response_has_a_request_id(gateway_stack):
     for resp in (httpx.get(gateway_stack.v1 + "/models"), httpx.get(gateway_stack.url + "/nowhere", headers=auth),
                  httpx.get(gateway_stack.url + "/health")):
         assert resp.headers["x-request-id"]
+
+
+def test_response_format_json_schema_is_guaranteed(client):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["age", "ok"],
+              "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}, "ok": {"type": "boolean"}}}
+    for seed in range(3):
+        resp = client.chat.completions.create(
+            model=BASE_MODEL, max_tokens=64, temperature=1.0, seed=seed,
+            messages=[{"role": "user", "content": "age?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}},
+        )
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_response_format_json_object_and_refused_schema(client):
+    import json
+
+    resp = client.chat.completions.create(
+        model=BASE_MODEL, max_tokens=400, temperature=0.7, seed=1,
+        messages=[{"role": "user", "content": "json please"}], response_format={"type": "json_object"},
+    )
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=BASE_MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "bad", "schema": {"type": "object", "patternPropertiez": {}}}},
+        )
+    assert "patternPropertiez" in info.value.body["message"]
