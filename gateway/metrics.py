@@ -150,6 +150,9 @@ class GatewayMetrics:
                                     buckets=QUEUE_WAIT_BUCKETS, registry=r)
         self.refusals = Counter("loraplex_quota_refusals", "Requests refused at admission, by tenant and reason.",
                                 ["tenant", "reason"], registry=r)
+        self.routing_decisions = Counter("loraplex_routing_decisions",
+                                         "Requests routed to an engine worker, by the reason for the choice.",
+                                         ["reason"], registry=r)
         self._live = _LiveCollector(self.tenant_label)
         r.register(self._live)
         self._render_lock = threading.Lock()
@@ -167,6 +170,10 @@ class GatewayMetrics:
 
     def record_refusal(self, tenant: str, reason: str) -> None:
         self.refusals.labels(self.tenant_label(tenant), reason).inc()
+
+    def record_routing_decision(self, reason: str) -> None:
+        """One request routed (gateway/routing_policy.py DECISION_REASONS; a handful of label values)."""
+        self.routing_decisions.labels(reason).inc()
 
     # ---- exposition -------------------------------------------------------------------------------
 

@@ -25,6 +25,15 @@ from gateway.model_resolver import ResolvedModel
 from gateway.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.prompt_builder import chat_prompt_ids, completion_prompt_ids, sampling_fields
+from gateway.store import Tenant
+
+PUBLIC_CACHE_SALT = "public"
+
+
+def cache_namespace(tenant: Tenant) -> str:
+    """The prefix-cache salt for a tenant's requests: its own, unless an operator made it public
+    (policy `share_prefix_cache`, see policies.TenantPolicy)."""
+    return PUBLIC_CACHE_SALT if tenant.policy.get("share_prefix_cache") is True else tenant.cache_salt
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -80,7 +89,7 @@ async def _start(request: Request, state: GatewayState, user: TenantUser,
         engine_request = GenerateRequest(
             request_id=formatter.response_id, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=admitted.priority, adapter=resolved.adapter_spec(state.adapter_root),
-            cache_salt=user.tenant.cache_salt, traceparent=request.headers.get("traceparent"),
+            cache_salt=cache_namespace(user.tenant), traceparent=request.headers.get("traceparent"),
         )
         generation = Generation(ticket, admitted, engine_request, formatter, body.n, body.stream,
                                 body.include_usage)

@@ -68,16 +68,14 @@ class WorkerHandle:
 
 class WorkerRegistry:
     def __init__(self, client_for: Callable[[str], EngineClient], *, urls: Sequence[str] = (),
-                 directory: RedisWorkerDirectory | None = None, config: RegistryConfig | None = None,
-                 on_removed: Callable[[str], None] | None = None) -> None:
-        """`client_for(url)` makes the client of a worker; `on_removed(worker_id)` is told when a worker
-        leaves the rotation (the router forgets its prefix index entries)."""
+                 directory: RedisWorkerDirectory | None = None, config: RegistryConfig | None = None) -> None:
+        """`client_for(url)` makes the client of a worker (called once per configured or discovered URL)."""
         if not urls and directory is None:
             raise ValueError("a worker registry needs worker URLs or a Redis directory to discover them")
         self.config = config or RegistryConfig()
         self._client_for = client_for
         self._directory = directory
-        self._on_removed = on_removed or (lambda worker_id: None)
+        self._removal_listeners: list[Callable[[str], None]] = []
         self._workers: dict[str, WorkerHandle] = {}
         self._pending: set[asyncio.Task] = set()  # immediate polls after a failure
         for url in urls:
@@ -85,6 +83,14 @@ class WorkerRegistry:
             if url in self._workers:
                 raise ValueError(f"worker URL {url} is given twice")
             self._workers[url] = WorkerHandle(url, client_for(url))
+
+    def add_removal_listener(self, listener: Callable[[str], None]) -> None:
+        """`listener(worker_id)` is called whenever a worker leaves the rotation or the registry."""
+        self._removal_listeners.append(listener)
+
+    def _removed(self, worker_id: str) -> None:
+        for listener in self._removal_listeners:
+            listener(worker_id)
 
     def healthy_workers(self) -> list[WorkerHandle]:
         return [w for w in self._workers.values() if w.healthy]
@@ -102,7 +108,7 @@ class WorkerRegistry:
         """A request could not reach `worker`: out of rotation until a poll succeeds."""
         if worker.healthy:
             log.warning("engine worker %s taken out of rotation: %s", worker.worker_id, why)
-            self._on_removed(worker.worker_id)
+            self._removed(worker.worker_id)
         worker.healthy = False
         worker.failed_polls = max(worker.failed_polls, self.config.unhealthy_after)
 
@@ -167,7 +173,7 @@ class WorkerRegistry:
                 log.warning("engine worker %s: heartbeat expired, removed", url)
                 del self._workers[url]
                 worker.healthy, worker.retired = False, True
-                self._on_removed(url)
+                self._removed(url)
                 if worker.in_flight == 0:
                     await worker.client.close()
 
@@ -180,7 +186,7 @@ class WorkerRegistry:
             if worker.healthy and worker.failed_polls >= self.config.unhealthy_after:
                 log.warning("engine worker %s taken out of rotation: %s", worker.worker_id, e)
                 worker.healthy = False
-                self._on_removed(worker.worker_id)
+                self._removed(worker.worker_id)
             return
         if not worker.healthy and not worker.retired:
             log.info("engine worker %s is in rotation", worker.worker_id)

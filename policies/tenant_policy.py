@@ -25,6 +25,11 @@ Semantics:
         of 1.0 under sustained contention).
     max_adapters / max_adapter_bytes
         Live LoRA adapter versions a tenant may keep uploaded, and their total size in bytes.
+    share_prefix_cache
+        Off by default: each tenant's KV cache lives in its own namespace (a server-chosen salt), so one
+        tenant can neither reuse nor time another's cached prompts (CVE-2025-46570). An operator may turn
+        it on for tenants whose prompts are public (a shared system prompt): all such tenants then share
+        one namespace (still separate per adapter).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class TenantPolicy(BaseModel):
     fair_share_weight: float = Field(default=1.0, gt=0.0, le=1_000.0)
     max_adapters: int = Field(default=100, ge=0)
     max_adapter_bytes: int = Field(default=20 << 30, ge=0)
+    share_prefix_cache: bool = False
 
     @model_validator(mode="after")
     def _check_consistency(self) -> TenantPolicy:

@@ -99,3 +99,30 @@ def test_priority_is_clamped_to_the_tenants_range(gateway_stack):
     resp = httpx.post(gateway_stack.v1 + "/completions", headers={"authorization": f"Bearer {key}"}, timeout=30,
                       json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 2, "priority": -5})
     assert resp.status_code == 200, resp.text
+
+
+def _cached_tokens(stack, key, text):
+    resp = httpx.post(stack.v1 + "/completions", headers={"authorization": f"Bearer {key}"}, timeout=30,
+                      json={"model": BASE_MODEL, "max_tokens": 1, "prompt": text})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_tenants_never_share_kv_unless_an_operator_makes_both_public(gateway_stack):
+    store = gateway_stack.store
+    prompt = "the shared system prompt of a public assistant " * 6
+    assert _cached_tokens(gateway_stack, gateway_stack.key_a, prompt) == 0
+    assert _cached_tokens(gateway_stack, gateway_stack.key_a, prompt) > 0  # A's own cache works
+    assert _cached_tokens(gateway_stack, gateway_stack.key_b, prompt) == 0  # B cannot reuse (or time) A's KV
+    try:
+        for tenant in (gateway_stack.tenant_a, gateway_stack.tenant_b):
+            policy = store.get_tenant(tenant).policy
+            store.update_policy(tenant, {**policy, "share_prefix_cache": True})
+        public = prompt + "(public)"
+        assert _cached_tokens(gateway_stack, gateway_stack.key_a, public) == 0
+        assert _cached_tokens(gateway_stack, gateway_stack.key_b, public) > 0
+    finally:
+        for tenant in (gateway_stack.tenant_a, gateway_stack.tenant_b):
+            policy = dict(store.get_tenant(tenant).policy)
+            policy.pop("share_prefix_cache", None)
+            store.update_policy(tenant, policy)
