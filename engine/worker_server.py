@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -197,8 +197,10 @@ class NdjsonStream(Response):
                 await self.messages.aclose()  # type: ignore[attr-defined]
 
 
-def build_worker_app(service: WorkerService, secret: str) -> Starlette:
-    """The worker's HTTP app. Every route needs the shared secret in `WORKER_SECRET_HEADER`."""
+def build_worker_app(service: WorkerService, secret: str,
+                     background: Callable[[WorkerService], Awaitable[None]] | None = None) -> Starlette:
+    """The worker's HTTP app. Every route needs the shared secret in `WORKER_SECRET_HEADER`.
+    `background(service)` (e.g. a registration heartbeat) runs while the app serves, cancelled at shutdown."""
     if not secret:
         raise ValueError("a worker needs a non-empty shared secret")
 
@@ -244,21 +246,34 @@ def build_worker_app(service: WorkerService, secret: str) -> Starlette:
             return refuse()
         return JSONResponse({"status": "ok", "model": service.model_name})
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(background(service)) if background else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
     return Starlette(routes=[
         Route("/generate", generate, methods=["POST"]),
         Route("/abort", abort, methods=["POST"]),
         Route("/state", state, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ])
+    ], lifespan=lifespan)
 
 
 def run_worker(llm: AsyncLLM, model_name: str, secret: str, host: str = "127.0.0.1", port: int = 8001,
-               tracer_provider: TracerProvider | None = None) -> None:
+               tracer_provider: TracerProvider | None = None,
+               background: Callable[[WorkerService], Awaitable[None]] | None = None) -> None:
     """Serve until interrupted (blocking). Loopback by default: the secret is not a substitute for a
-    private network. `tracer_provider` (its spans exported by the caller's setup) is shut down at exit."""
+    private network. `tracer_provider` (its spans exported by the caller's setup) is shut down at exit.
+    `background` as in `build_worker_app`."""
     import uvicorn
 
-    app = build_worker_app(WorkerService(llm, model_name, tracer_provider), secret)
+    app = build_worker_app(WorkerService(llm, model_name, tracer_provider), secret, background)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:

@@ -66,7 +66,29 @@ def quota_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> No
     group.add_argument("--queue-timeout", type=float, default=30.0,
                        help="seconds a request may wait in the gateway queue before 503 (default 30)")
     group.add_argument("--worker-url", action="append", default=None,
-                       help="use this running worker (secret in LORAPLEX_WORKER_SECRET) instead of starting one")
+                       help="use this running worker (secret in LORAPLEX_WORKER_SECRET) instead of starting one; "
+                            "repeat it to route across several (docs/scaling.md)")
+
+
+def routing_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Several workers behind one gateway (docs/scaling.md)."""
+    group = parser.add_argument_group("routing options (several workers)")
+    group.add_argument("--routing", choices=("cache_aware", "round_robin", "least_loaded"),
+                       default=env.get("LORAPLEX_ROUTING", "cache_aware"),
+                       help="how requests are spread over workers (default cache_aware; also LORAPLEX_ROUTING)")
+    group.add_argument("--discover-workers", action="store_true",
+                       default=_bool_env(env, "LORAPLEX_DISCOVER_WORKERS"),
+                       help="route to the workers that heartbeat in --redis-url (also LORAPLEX_DISCOVER_WORKERS=1)")
+
+
+def registration_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """A worker announcing itself to the gateways through Redis heartbeats."""
+    group = parser.add_argument_group("registration options")
+    group.add_argument("--register-redis-url", default=env.get("LORAPLEX_REGISTER_REDIS_URL") or None,
+                       help="heartbeat this worker's URL and state into this Redis (also LORAPLEX_REGISTER_REDIS_URL)")
+    group.add_argument("--advertise-url", default=env.get("LORAPLEX_ADVERTISE_URL") or None,
+                       help="the URL gateways use to reach this worker, e.g. http://worker-1:8001 "
+                            "(also LORAPLEX_ADVERTISE_URL)")
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -78,12 +100,17 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     serve = sub.add_parser("serve", parents=[common], help="gateway plus one supervised local engine worker")
     engine_options(serve)
     serve.add_argument("--worker-port", type=int, default=None, help="loopback port of the worker (default: free)")
+    serve.add_argument("--access-log", action="store_true", default=_bool_env(env, "LORAPLEX_ACCESS_LOG"),
+                       help="log one line per HTTP request (off by default: it costs the gateway CPU on every "
+                            "request; also LORAPLEX_ACCESS_LOG=1)")
     quota_options(serve, env)
+    routing_options(serve, env)
     serve.set_defaults(handler="gateway.serve:run_serve")
 
     worker = sub.add_parser("worker", parents=[common],
                             help="an engine worker as an internal HTTP service (secret in LORAPLEX_WORKER_SECRET)")
     engine_options(worker)
+    registration_options(worker, env)
     worker.set_defaults(handler="gateway.serve:run_worker_command")
 
     tenants = sub.add_parser("tenants", help="create, list and show tenants")
@@ -132,6 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 class CommandError(Exception):
     """A problem the operator can fix; printed without a traceback."""
+
+
+def _bool_env(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise SystemExit(f"loraplex: error: {name} must be 1/true/yes or 0/false/no, got {value!r}")
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:

@@ -143,6 +143,8 @@ async def get_model(request: Request) -> Response:
 
 
 async def _resolve(state: GatewayState, user: TenantUser, model: str) -> ResolvedModel:
+    if model == state.resolver.base_name:  # no store read: spare the thread hop
+        return ResolvedModel(model, None)
     resolved = await run_in_threadpool(state.resolver.resolve, user.tenant, model)
     if resolved is None:
         raise model_not_found(model)

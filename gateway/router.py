@@ -57,7 +57,8 @@ class RoutingEngineClient(EngineClient):
         start = min(len(tokens), self.config.prefix_index.page_size)
         affinity_key = page_hashes(namespace, tokens[:start], start)[0]  # namespace and first page
         adapter = request.adapter.sha256 if request.adapter else None
-        decision = self.policy.choose(RouteRequest(len(tokens), adapter, affinity_key), views)
+        has_full_page = len(tokens) >= self.config.prefix_index.page_size
+        decision = self.policy.choose(RouteRequest(len(tokens), adapter, affinity_key, has_full_page), views)
         return next(w for w in healthy if w.worker_id == decision.worker_id), decision
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:

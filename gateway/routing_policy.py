@@ -8,11 +8,14 @@ approximate prefix index per worker, a match threshold, a load-imbalance fallbac
 2. a worker's indexed prefix covers ≥ `cache_threshold` of the prompt
                                                                 → the longest match ("prefix_affinity")
 3. the request's adapter is resident on some worker             → the least loaded of those ("adapter_resident")
-4. otherwise                                                    → the least loaded ("least_loaded")
-A preference from 2 or 3 is dropped for the least loaded worker ("imbalance_fallback") when its load
+4. the prompt has at least one full page                        → its home: the highest rendezvous hash of
+                                                                  (worker, namespace + first page) ("prefix_hash")
+5. otherwise (nothing cacheable)                                → the least loaded ("least_loaded")
+A preference from 2, 3 or 4 is dropped for the least loaded worker ("imbalance_fallback") when its load
 exceeds the least loaded worker's by more than `balance_abs_threshold` requests and by more than
-`balance_rel_threshold` times. Ties between equally loaded workers go to the highest rendezvous hash of
-(worker, the prompt's namespace and first page), so gateways that have never seen a prefix still agree where it goes.
+`balance_rel_threshold` times. Step 4 is what lets N gateways with N separate indexes agree: a prefix
+none of them has seen yet goes to the same worker from every gateway. Ties between equally loaded workers
+are broken by the same rendezvous hash.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 from gateway.prefix_index import PrefixIndexConfig
 
 ROUTING_STRATEGIES = ("cache_aware", "round_robin", "least_loaded")
-DECISION_REASONS = ("adapter_resident", "prefix_affinity", "least_loaded", "imbalance_fallback", "only_healthy",
-                    "round_robin")
+DECISION_REASONS = ("adapter_resident", "prefix_affinity", "prefix_hash", "least_loaded", "imbalance_fallback",
+                    "only_healthy", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class WorkerView:
 class RouteRequest:
     prompt_len: int
     adapter_sha256: str | None
-    affinity_key: bytes  # the prompt's namespace and first page: the tie-break key
+    affinity_key: bytes  # the prompt's namespace and first page: the rendezvous hash key
+    has_full_page: bool = True  # False: shorter than one index page, nothing a cache could hold
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class RoutingPolicy:
             resident = [w for w in workers if request.adapter_sha256 in w.resident_adapters]
             if resident:
                 return self._least_loaded(request, resident), "adapter_resident"
+        if request.has_full_page:
+            return max(workers, key=lambda w: _tie_break(w.worker_id, request.affinity_key)), "prefix_hash"
         return None, "least_loaded"
 
     def _imbalanced(self, preferred_load: int, least_load: int) -> bool:

@@ -90,6 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.telemetry import Telemetry, TelemetryConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # one INFO line per worker call is a per-request cost
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     store = open_cli_store(args)
     if args.model:
@@ -100,8 +102,9 @@ def run_serve(args: argparse.Namespace) -> int:
         model = ensure_demo_model(args.data_dir)
         ensure_demo_tenant(store)
     served_name = args.served_model_name or (model.name if args.model else DEMO_MODEL_NAME)
-    if args.worker_url:  # an external worker: nothing to supervise
-        client, resources = external_worker_client(args.worker_url), None
+    telemetry = Telemetry(TelemetryConfig(otlp_endpoint=args.otlp_endpoint))
+    if args.worker_url or args.discover_workers:  # external workers: nothing to supervise
+        client, resources = external_worker_client(args, telemetry.metrics.record_routing_decision)
     else:
         secret = secrets.token_urlsafe(32)
         worker_port = args.worker_port or free_loopback_port()
@@ -114,32 +117,48 @@ def run_serve(args: argparse.Namespace) -> int:
     config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters")
     admission = quota_admission(args)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model), max_lora_rank=args.max_lora_rank)
-    telemetry = Telemetry(TelemetryConfig(otlp_endpoint=args.otlp_endpoint))
     app = build_app(config, store, client, Tokenizer(model), admission=admission, resources=resources,
                     adapter_uploads=uploads, telemetry=telemetry)
     port = args.port or DEFAULT_GATEWAY_PORT
     print(f"loraplex gateway on http://{args.host}:{port}/v1 serving '{served_name}'", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                    access_log=args.access_log)
     finally:
         store.close()
     return 0
 
 
-def external_worker_client(urls: list[str]):
-    """An HttpEngineClient for `--worker-url` (one for now; the secret comes from LORAPLEX_WORKER_SECRET)."""
+def external_worker_client(args: argparse.Namespace, on_decision):
+    """(client, resources) for external workers: one `--worker-url` is used directly; several, or
+    `--discover-workers` (heartbeats in --redis-url), go through a RoutingEngineClient (docs/scaling.md).
+    All share the secret in LORAPLEX_WORKER_SECRET."""
     from gateway.http_engine_client import HttpEngineClient
+    from gateway.router import RoutingEngineClient
+    from gateway.routing_policy import RoutingConfig
     from gateway.supervisor import SECRET_ENV
+    from gateway.worker_heartbeat import RedisWorkerDirectory, check_worker_url
+    from gateway.worker_registry import WorkerRegistry
 
-    if len(urls) != 1:
-        raise CommandError(f"--worker-url was given {len(urls)} times; routing across several workers is not "
-                           "supported yet, give one")
+    urls = args.worker_url or []
     secret = os.environ.get(SECRET_ENV, "")
     if not secret:
-        raise CommandError(f"--worker-url needs the worker's shared secret in {SECRET_ENV}")
-    if not urls[0].startswith(("http://", "https://")):
-        raise CommandError(f"--worker-url {urls[0]!r} must be an http:// or https:// URL")
-    return HttpEngineClient(urls[0], secret)
+        raise CommandError(f"external workers need their shared secret in {SECRET_ENV}")
+    try:
+        urls = [check_worker_url(url, "--worker-url") for url in urls]
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    if len(urls) == 1 and not args.discover_workers:
+        return HttpEngineClient(urls[0], secret), None
+    if args.discover_workers and not args.redis_url:
+        raise CommandError("--discover-workers needs --redis-url (the workers heartbeat there)")
+    directory = RedisWorkerDirectory(args.redis_url) if args.discover_workers else None
+    try:
+        registry = WorkerRegistry(lambda url: HttpEngineClient(url, secret), urls=urls, directory=directory)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    router = RoutingEngineClient(registry, RoutingConfig(strategy=args.routing), on_decision=on_decision)
+    return router, router.running
 
 
 def quota_admission(args: argparse.Namespace):
@@ -147,7 +166,8 @@ def quota_admission(args: argparse.Namespace):
     from gateway.quota_settings import QuotaSettings, build_quota_admission
 
     try:
-        settings = QuotaSettings(queue_capacity=args.queue_capacity or args.max_num_seqs,
+        workers = max(1, len(getattr(args, "worker_url", None) or []))  # configured; discovered ones: set it
+        settings = QuotaSettings(queue_capacity=args.queue_capacity or args.max_num_seqs * workers,
                                  fail_mode=args.quota_fail_mode, lease_ttl_s=args.quota_lease_ttl,
                                  queue_timeout_s=args.queue_timeout)
     except ValueError as e:
@@ -166,6 +186,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         raise CommandError(f"set the shared secret in {SECRET_ENV} (the gateway sends it with every call)")
     if not args.model:
         raise CommandError("loraplex worker needs --model (or LORAPLEX_MODEL)")
+    heartbeat = registration_heartbeat(args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
@@ -175,5 +196,22 @@ def run_worker_command(args: argparse.Namespace) -> int:
     from gateway.tracing import WORKER_SERVICE_NAME, build_tracer_provider
 
     run_worker(llm, served_name, secret, host=args.host, port=args.port or DEFAULT_WORKER_PORT,
-               tracer_provider=build_tracer_provider(WORKER_SERVICE_NAME, args.otlp_endpoint))
+               tracer_provider=build_tracer_provider(WORKER_SERVICE_NAME, args.otlp_endpoint),
+               background=(lambda service: heartbeat.run(service.state)) if heartbeat else None)
     return 0
+
+
+def registration_heartbeat(args: argparse.Namespace):
+    """The worker's Redis heartbeat (`--register-redis-url` with `--advertise-url`), or None."""
+    from gateway.worker_heartbeat import HeartbeatConfig, WorkerHeartbeat
+
+    if not args.register_redis_url:
+        if args.advertise_url:
+            raise CommandError("--advertise-url only matters with --register-redis-url")
+        return None
+    if not args.advertise_url:
+        raise CommandError("--register-redis-url needs --advertise-url (how gateways reach this worker)")
+    try:
+        return WorkerHeartbeat(HeartbeatConfig(redis_url=args.register_redis_url, advertise_url=args.advertise_url))
+    except ValueError as e:
+        raise CommandError(str(e)) from None

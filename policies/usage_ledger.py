@@ -1,15 +1,18 @@
 """Durable budget counters for the in-memory quota backend (the persistence hook).
 
 A UsageLedger stores, per (tenant, period key), the tokens booked so far ("d:2025-01-31", "m:2025-01").
-MemoryQuotaBackend writes every change through before it answers (a reservation at admission, the
-refund or surcharge at reconcile) and reads a counter back the first time it needs it after a restart, so a
-restart loses nothing that was counted. The gateway's store may implement the protocol itself (two
-methods); SqliteUsageLedger is the embedded default.
+MemoryQuotaBackend makes every change of a budgeted tenant durable before it answers (a reservation at
+admission, the refund or surcharge at reconcile), group-committed through policies.ledger_writer, and reads a
+counter back the first time it needs it after a restart, so a restart loses nothing that was counted. The
+gateway's store may implement the protocol itself (two methods; `add_many` is optional and makes a batch
+one transaction); SqliteUsageLedger is the embedded default.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -25,32 +28,58 @@ class UsageLedger(Protocol):
 
 
 class SqliteUsageLedger:
-    """UsageLedger in one SQLite file (WAL; each add is its own committed transaction)."""
+    """UsageLedger in one SQLite file (WAL, synchronous=FULL: a returned add or add_many is fsynced).
+
+    Thread-safe: reads and writes use separate connections (WAL readers never wait for the writer's fsync),
+    each used by one thread at a time.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self._path = Path(path)
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(
+        self._writer = self._connect()
+        self._writer.execute("PRAGMA journal_mode=WAL")
+        self._writer.execute(
             "CREATE TABLE IF NOT EXISTS token_usage ("
             " tenant_id TEXT NOT NULL, period TEXT NOT NULL, tokens INTEGER NOT NULL,"
             " PRIMARY KEY (tenant_id, period))"
         )
+        self._reader = self._connect()
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA synchronous=FULL")
+        return db
 
     def tokens(self, tenant_id: str, period: str) -> int:
-        row = self._db.execute(
-            "SELECT tokens FROM token_usage WHERE tenant_id = ? AND period = ?", (tenant_id, period)
-        ).fetchone()
+        with self._read_lock:
+            row = self._reader.execute(
+                "SELECT tokens FROM token_usage WHERE tenant_id = ? AND period = ?", (tenant_id, period)
+            ).fetchone()
         return 0 if row is None else int(row[0])
 
     def add(self, tenant_id: str, period: str, delta: int) -> None:
-        self._db.execute(
-            "INSERT INTO token_usage (tenant_id, period, tokens) VALUES (?, ?, ?) "
-            "ON CONFLICT (tenant_id, period) DO UPDATE SET tokens = tokens + excluded.tokens",
-            (tenant_id, period, int(delta)),
-        )
+        self.add_many({(tenant_id, period): delta})
+
+    def add_many(self, deltas: Mapping[tuple[str, str], int]) -> None:
+        """Every delta in one committed transaction (one fsync): all of them or none."""
+        rows = [(tenant_id, period, int(delta)) for (tenant_id, period), delta in deltas.items()]
+        with self._write_lock:
+            self._writer.execute("BEGIN IMMEDIATE")
+            try:
+                self._writer.executemany(
+                    "INSERT INTO token_usage (tenant_id, period, tokens) VALUES (?, ?, ?) "
+                    "ON CONFLICT (tenant_id, period) DO UPDATE SET tokens = tokens + excluded.tokens",
+                    rows,
+                )
+            except BaseException:
+                self._writer.execute("ROLLBACK")
+                raise
+            self._writer.execute("COMMIT")
 
     def close(self) -> None:
-        self._db.close()
+        with self._write_lock, self._read_lock:
+            self._writer.close()
+            self._reader.close()

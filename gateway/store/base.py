@@ -56,6 +56,14 @@ MAX_AUDIT_PAGE = 1000
 
 
 class Store(ABC):
+    # NOTE: bumped after every change made through this object that can alter what `authenticate` answers
+    # (revocation, suspension, policy, sharing), so caches of its answers (gateway/auth_cache.py) drop
+    # what they took before. Changes by other processes or replicas are not seen here.
+    auth_epoch: int = 0
+
+    def _auth_changed(self) -> None:
+        self.auth_epoch += 1
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     @abstractmethod
@@ -104,11 +112,14 @@ class Store(ABC):
     def update_policy(self, tenant_id: str, policy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Replace the tenant's policy; returns (before, after) for the audit log. NotFoundError if unknown."""
         before, after = self._update_tenant(tenant_id, policy_json=policy_text(policy))
+        self._auth_changed()
         return before.policy, after.policy
 
     def set_suspended(self, tenant_id: str, suspended: bool) -> Tenant:
         """Suspend or resume; a suspended tenant's keys authenticate to TenantSuspendedError (403)."""
-        return self._update_tenant(tenant_id, suspended=bool(suspended))[1]
+        tenant = self._update_tenant(tenant_id, suspended=bool(suspended))[1]
+        self._auth_changed()
+        return tenant
 
     def suspend_tenant(self, tenant_id: str) -> Tenant:
         return self.set_suspended(tenant_id, True)
@@ -117,7 +128,9 @@ class Store(ABC):
         return self.set_suspended(tenant_id, False)
 
     def set_tenant_shared(self, tenant_id: str, shared: bool) -> Tenant:
-        return self._update_tenant(tenant_id, shared=bool(shared))[1]
+        tenant = self._update_tenant(tenant_id, shared=bool(shared))[1]
+        self._auth_changed()
+        return tenant
 
     # ---- API keys --------------------------------------------------------------------------------
 
@@ -146,7 +159,9 @@ class Store(ABC):
 
     def revoke_api_key(self, key_id: str, *, now: float | None = None) -> ApiKey:
         """Revoke for good; revoking twice keeps the first time. NotFoundError if unknown."""
-        return self._revoke_api_key(key_id, self._now(now))
+        key = self._revoke_api_key(key_id, self._now(now))
+        self._auth_changed()
+        return key
 
     def authenticate(self, plaintext: str, now: float | None = None) -> Authenticated | None:
         """Bearer token → (key, tenant), or None for unknown, revoked and expired keys (answer 401).
