@@ -90,6 +90,7 @@ class OutputProcessor:
                 hits.append((req.request_id, stop))
                 out.finish_reason, out.stop_reason = "stop", stop
             elif req.status.finished:
+                out.text += child.detok.flush()
                 out.finish_reason, out.stop_reason = req.status.finish_reason, req.stop_reason
             touched[parent.request_id] = parent
         return [self._emit(p) for p in touched.values()], hits

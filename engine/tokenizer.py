@@ -125,3 +125,14 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence: whatever is still held back (bytes that never completed a
+        character decode to U+FFFD, as a full decode would show them)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        new_text = decode(self.ids[self.prefix_offset :], self.skip_special)
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

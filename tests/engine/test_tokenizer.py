@@ -74,3 +74,12 @@ def test_stop_string_split_across_tokens(make_model, kind):
     kept = llm.generate("the model", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop],
                                                     include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == expected + stop
+
+
+def test_a_sequence_ending_mid_character_is_flushed_at_finish(tokenizer_dirs):
+    tok = Tokenizer(tokenizer_dirs["byte_bpe"])
+    ids = tok.encode("ok 🦀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.add([i]) for i in ids[:-1])  # the crab's last byte never comes
+    assert "\ufffd" not in streamed and "\ufffd" in tok.decode(ids[:-1])
+    assert streamed + detok.flush() == tok.decode(ids[:-1])
