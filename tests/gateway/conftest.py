@@ -16,7 +16,7 @@ from engine.worker_server import WorkerService
 from gateway.app import build_app
 from gateway.engine_client import InProcessEngineClient
 from gateway.gateway_state import GatewayConfig
-from gateway.store import SqliteStore, Store
+from gateway.store import SqliteStore, Store, open_store
 from tests.conftest import free_port
 
 BASE_MODEL = "tiny-llama"
@@ -92,3 +92,17 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> 
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    """The store contract suite runs against each backend: a SQLite file, and a real redis-server."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'data' / 'store.db'}"
+    return request.getfixturevalue("redis_server").url
+
+
+@pytest.fixture()
+def store(store_url: str):
+    with open_store(store_url) as s:
+        yield s

@@ -13,19 +13,6 @@ T0 = 1_700_000_000.0
 MODULES = ("q_proj", "v_proj")
 
 
-@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
-def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite://{tmp_path / 'store.db'}"
-    return request.getfixturevalue("redis_server").url
-
-
-@pytest.fixture()
-def store(store_url: str):
-    with open_store(store_url) as s:
-        yield s
-
-
 def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

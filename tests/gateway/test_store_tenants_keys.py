@@ -19,19 +19,6 @@ from gateway.store import (
 T0 = 1_700_000_000.0
 
 
-@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
-def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite://{tmp_path / 'data' / 'store.db'}"
-    return request.getfixturevalue("redis_server").url
-
-
-@pytest.fixture()
-def store(store_url: str):
-    with open_store(store_url) as s:
-        yield s
-
-
 def stored_bytes(store_url: str) -> bytes:
     """Everything the backend holds, as raw bytes (to prove what is never stored)."""
     if store_url.startswith("sqlite://"):

@@ -10,19 +10,6 @@ import pytest
 from gateway.store import NotFoundError, Store, UsageRow, UsageTotals, open_store
 
 
-@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
-def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite://{tmp_path / 'store.db'}"
-    return request.getfixturevalue("redis_server").url
-
-
-@pytest.fixture()
-def store(store_url: str):
-    with open_store(store_url) as s:
-        yield s
-
-
 def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0) -> float:
     return datetime(year, month, day, hour, minute, second, tzinfo=UTC).timestamp()
 

@@ -1,0 +1,164 @@
+"""docker-compose.yml parses, and what it asks of loraplex is what the CLI accepts.
+
+Docker is not needed: every gateway and worker `command:` is parsed by `gateway.cli.build_parser()`
+with that service's environment, and every LORAPLEX_* variable must be one the parser (or the worker
+secret) reads. The topology the issue asks for is checked too: redis, two gateways behind one
+published port, two GPU workers with a CPU fallback profile, a collector, Prometheus with a scrape
+config, and volumes for the data dir and adapter storage shared at the same path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.cli import build_parser
+from gateway.supervisor import SECRET_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULTS_FOR_REQUIRED = {"LORAPLEX_WORKER_SECRET": "compose-test-secret", "LORAPLEX_MODEL_DIR": "/srv/model"}
+VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+
+
+class RecordingEnv(Mapping[str, str]):
+    """An environment that remembers every name it is asked for (the CLI's known variables)."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.values = dict(values)
+        self.asked: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.asked.add(key)
+        return self.values[key]
+
+    def get(self, key, default=None):  # type: ignore[override]
+        self.asked.add(key)
+        return self.values.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.asked.add(key)
+        return key in self.values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR:?error}, with the required ones given test values."""
+    def one(match: re.Match) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if op and op.endswith("-"):
+            return arg
+        if op and op.endswith("?"):
+            return DEFAULTS_FOR_REQUIRED[name]
+        raise AssertionError(f"${{{name}}} has neither a default nor a required-message")
+    return VARIABLE.sub(one, value)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    with open(REPO / "docker-compose.yml") as f:
+        return yaml.safe_load(f)
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: interpolate(str(v)) for k, v in env.items()}
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """Mount point → source (a named volume or a host path), after interpolation."""
+    pairs = [interpolate(v).split(":")[:2] for v in service.get("volumes", [])]
+    return {target: source for source, target in pairs}
+
+
+def loraplex_services(compose: dict, command: str) -> dict[str, dict]:
+    return {name: s for name, s in compose["services"].items()
+            if s.get("image") == "loraplex:latest" and s.get("command", ["serve"])[0] == command}
+
+
+def known_env_names() -> set[str]:
+    recorder = RecordingEnv({})
+    build_parser(recorder)
+    return recorder.asked | {SECRET_ENV}
+
+
+def test_the_topology_the_issue_asks_for(compose):
+    services = compose["services"]
+    assert {"redis", "otel-collector", "prometheus"} <= set(services)
+    gateways, workers = loraplex_services(compose, "serve"), loraplex_services(compose, "worker")
+    assert len(gateways) == 2
+    published = [name for name, s in services.items() if s.get("ports") and name not in ("prometheus",)]
+    assert published == ["load-balancer"] and not any(g.get("ports") for g in gateways.values())
+    nginx = (REPO / "deploy/nginx.conf").read_text()
+    assert all(f"server {name}:8000" in nginx for name in gateways)
+    gpu = {n: w for n, w in workers.items() if w.get("profiles") == ["gpu"]}
+    cpu = {n: w for n, w in workers.items() if w.get("profiles") == ["cpu"]}
+    assert len(gpu) == 2 and len(cpu) == 2
+    for w in gpu.values():
+        devices = w["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    assert len({tuple(w["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]) for w in gpu.values()}) == 2
+    assert {"loraplex-data", "loraplex-adapters"} <= set(compose["volumes"])
+    prometheus = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
+    targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert sorted(targets) == sorted(f"{g}:8000" for g in gateways)
+    collector = yaml.safe_load((REPO / "deploy/otel-collector.yaml").read_text())
+    assert collector["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
+    assert services["gateway-1"]["build"] == "."
+    assert 'ENTRYPOINT ["loraplex"]' in (REPO / "Dockerfile").read_text()
+
+
+def test_every_loraplex_variable_is_one_the_cli_reads(compose):
+    known = known_env_names()
+    assert {"LORAPLEX_ROUTING", "LORAPLEX_DISCOVER_WORKERS", "LORAPLEX_REGISTER_REDIS_URL"} <= known
+    for name, service in compose["services"].items():
+        unknown = {k for k in environment(service) if k.startswith("LORAPLEX_")} - known
+        assert not unknown, f"{name}: the CLI reads no {sorted(unknown)}"
+
+
+def test_gateway_commands_parse_and_discover_the_workers(compose):
+    for name, service in loraplex_services(compose, "serve").items():
+        env = environment(service)
+        args = build_parser(env).parse_args(service["command"])  # SystemExit on any bad flag
+        assert args.command == "serve", name
+        assert args.redis_url == "redis://redis:6379/0" and args.discover_workers, name
+        assert args.routing == "cache_aware" and args.host == "0.0.0.0" and args.port == 8000, name
+        assert str(args.data_dir) == "/data" and args.model == "/models/base", name
+        assert args.otlp_endpoint == "http://otel-collector:4318", name
+        assert env[SECRET_ENV], name
+        where = mounts(service)
+        assert where["/data/adapters"] == "loraplex-adapters" and where["/models/base"] == "/srv/model", name
+
+
+def test_worker_commands_parse_and_advertise_their_own_service(compose):
+    gateway_mounts = mounts(compose["services"]["gateway-1"])
+    for name, service in loraplex_services(compose, "worker").items():
+        env = environment(service)
+        args = build_parser(env).parse_args(service["command"])
+        assert args.command == "worker", name
+        assert args.register_redis_url == "redis://redis:6379/0", name
+        assert args.advertise_url == f"http://{name}:{args.port}", name  # gateways reach it by service name
+        assert args.host == "0.0.0.0" and args.model == "/models/base", name
+        assert args.device == ("cuda" if service["profiles"] == ["gpu"] else "cpu"), name
+        assert env[SECRET_ENV] == environment(compose["services"]["gateway-1"])[SECRET_ENV], name
+        # adapters are read at the path the gateways stored them under, from the same volume
+        assert mounts(service)["/data/adapters"] == gateway_mounts["/data/adapters"] == "loraplex-adapters", name
+        assert mounts(service)["/models/base"] == gateway_mounts["/models/base"], name
+
+
+def test_the_check_would_catch_a_wrong_flag_or_variable(compose):
+    service = compose["services"]["worker-1"]
+    with pytest.raises(SystemExit):
+        build_parser(environment(service)).parse_args([*service["command"], "--no-such-flag"])
+    assert "LORAPLEX_NO_SUCH_SETTING" not in known_env_names()
