@@ -41,6 +41,8 @@ class AsyncLLM:
         self._stopping = False
         self._stats = engine.stats()
         self.step_count = 0
+        self._idle_checked = True
+        self.integrity_failures = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -149,6 +151,8 @@ class AsyncLLM:
                 cmd()
             if not self.engine.has_unfinished_requests():
                 self._stats = self.engine.stats()
+                if not self._idle_checked:
+                    self._check_idle_integrity()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -159,6 +163,7 @@ class AsyncLLM:
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
                 continue
             self.step_count += 1
+            self._idle_checked = False
             self._stats = self.engine.stats()  # before delivering: a caller that saw a token sees this step
             if not outputs and not self.engine.scheduler.running:
                 # Everything waits on something off the loop (a grammar compile, an adapter read): nap
@@ -167,6 +172,15 @@ class AsyncLLM:
                 self._wake.clear()
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
+
+    def _check_idle_integrity(self) -> None:
+        """Once per idle spell: prove every KV block, slot pin and grammar hold is accounted for."""
+        self._idle_checked = True
+        try:
+            self.engine.scheduler.check_integrity()
+        except AssertionError:
+            self.integrity_failures += 1
+            log.exception("engine integrity check failed while idle")
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

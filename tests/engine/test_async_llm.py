@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -86,3 +87,8 @@ def test_step_fault_fails_requests_and_releases_everything(engine):
     assert first[-1].outputs[0].finish_reason == "error" and "device fell over" in first[-1].error
     assert second[-1].outputs[0].finish_reason == "length"
     engine.engine.scheduler.check_integrity()
+    for _ in range(200):  # the loop checks integrity itself once it is idle
+        if engine._idle_checked:
+            break
+        time.sleep(0.01)
+    assert engine._idle_checked and engine.integrity_failures == 0

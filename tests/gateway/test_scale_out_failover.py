@@ -86,6 +86,6 @@ def test_killed_worker_fails_its_streams_cleanly_and_the_other_takes_over(make_m
                                                                           if r.status_code != 200][:2]
         after = httpx.get(stack.workers[1].url + "/state", headers=SECRET_HEADERS).json()
         looked_up = after["prefix_query_tokens"] - before["prefix_query_tokens"]
-        assert looked_up >= len(later) * (len(prompt(0)) - 1), looked_up  # every one of them ran there
+        assert looked_up >= len(later) * 16, looked_up  # every one ran there (a 16-token block looked up each)
     finally:
         stack.stop()
