@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -198,7 +198,7 @@ class NdjsonStream(Response):
 
 
 def build_worker_app(service: WorkerService, secret: str,
-                     background: Callable[[WorkerService], Awaitable[None]] | None = None) -> Starlette:
+                     background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None) -> Starlette:
     """The worker's HTTP app. Every route needs the shared secret in `WORKER_SECRET_HEADER`.
     `background(service)` (e.g. a registration heartbeat) runs while the app serves, cancelled at shutdown."""
     if not secret:
@@ -267,7 +267,7 @@ def build_worker_app(service: WorkerService, secret: str,
 
 def run_worker(llm: AsyncLLM, model_name: str, secret: str, host: str = "127.0.0.1", port: int = 8001,
                tracer_provider: TracerProvider | None = None,
-               background: Callable[[WorkerService], Awaitable[None]] | None = None) -> None:
+               background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None) -> None:
     """Serve until interrupted (blocking). Loopback by default: the secret is not a substitute for a
     private network. `tracer_provider` (its spans exported by the caller's setup) is shut down at exit.
     `background` as in `build_worker_app`."""

@@ -4,9 +4,10 @@ Connection failures before the response starts are WorkerUnavailableError (nothi
 that breaks or ends without a finished delta is WorkerFailedError. Leaving the stream early closes the
 connection, which the worker takes as an abort; an explicit /abort is sent as well.
 
-Connections are pooled and kept alive: a finished stream is read to its end (the worker closes it right
-after the finished delta) before that delta is handed on, so its connection goes back to the pool instead
-of being closed; a new TCP connection per request would cost the gateway more CPU than everything else.
+`generate` goes through gateway/worker_http.py (kept-alive connections, a pool whose cost does not grow
+with its size): a finished stream is read to its end (the worker ends it right after the finished delta)
+before that delta is handed on, so its connection goes back to the pool. The rare calls (abort, state,
+health) use httpx.
 """
 
 from __future__ import annotations
@@ -37,54 +38,58 @@ from gateway.engine_client import (
     WorkerUnavailableError,
     raise_for_error,
 )
+from gateway.worker_http import PoolConfig, WorkerConnectError, WorkerHttpPool, WorkerProtocolError
 
 log = logging.getLogger(__name__)
 
-# The fair queue bounds concurrent streams; keep that many connections alive for reuse.
-DEFAULT_POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0)
 STREAM_END_GRACE_S = 1.0  # how long a finished stream may take to end before its connection is dropped
 
 
 class HttpEngineClient(EngineClient):
     def __init__(self, base_url: str, secret: str, *, connect_timeout_s: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 limits: httpx.Limits = DEFAULT_POOL_LIMITS) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         # No read timeout on streams: a long queue wait is not a failure; a dead worker closes the socket.
         timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0, pool=30.0)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers={WORKER_SECRET_HEADER: secret},
-                                       timeout=timeout, transport=transport, limits=limits)
+                                       timeout=timeout, transport=transport)
+        self._streams = WorkerHttpPool(self.base_url, {WORKER_SECRET_HEADER: secret},
+                                       PoolConfig(connect_timeout_s=connect_timeout_s))
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         headers = {TRACEPARENT_HEADER: request.traceparent} if request.traceparent else {}
+        body = json.dumps(request.to_json(), separators=(",", ":")).encode()
         started = finished = False
+        resp = None
         try:
-            async with self._http.stream("POST", "/generate", json=request.to_json(), headers=headers) as resp:
-                if resp.status_code == 400:
-                    body = await resp.aread()
-                    raise WorkerRequestError(_error_text(body))
-                if resp.status_code != 200:
-                    raise WorkerUnavailableError(f"worker answered HTTP {resp.status_code}")
-                lines = resp.aiter_lines()
-                async for line in lines:
-                    if not line:
-                        continue
-                    message = parse_message(line)
-                    if isinstance(message, GenerateError):
-                        raise_for_error(message, started)
-                    started = True
-                    finished = message.finished
-                    if finished:  # NOTE: before the yield: the consumer stops pulling after this delta
-                        await _read_to_end(lines)
-                    yield message
-                    if finished:
-                        return
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
-            raise WorkerUnavailableError(f"engine worker at {self.base_url} is not reachable ({type(e).__name__})") from None
-        except (httpx.HTTPError, ProtocolError) as e:
+            resp = await self._streams.request("POST", "/generate", body, headers)
+            if resp.status == 400:
+                raise WorkerRequestError(_error_text(await resp.read()))
+            if resp.status != 200:
+                raise WorkerUnavailableError(f"worker answered HTTP {resp.status}")
+            lines = resp.lines()
+            async for line in lines:
+                if not line:
+                    continue
+                message = parse_message(line)
+                if isinstance(message, GenerateError):
+                    raise_for_error(message, started)
+                started = True
+                finished = message.finished
+                if finished:  # NOTE: before the yield: the consumer stops pulling after this delta
+                    await _read_to_end(lines)
+                yield message
+                if finished:
+                    return
+        except WorkerConnectError as e:
+            raise WorkerUnavailableError(f"engine worker at {self.base_url} is not reachable ({e})") from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, UnicodeDecodeError,
+                WorkerProtocolError, ProtocolError) as e:
             raise WorkerFailedError(f"connection to the engine worker broke: {type(e).__name__}") from None
         finally:
+            if resp is not None:
+                resp.close()  # back to the pool when read to the end, else closed (the worker aborts)
             if started and not finished:
                 self._abort_in_background(request.request_id)
         if not finished:
@@ -114,6 +119,7 @@ class HttpEngineClient(EngineClient):
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        await self._streams.aclose()
         await self._http.aclose()
 
     def _abort_in_background(self, request_id: str) -> None:
@@ -127,7 +133,8 @@ class HttpEngineClient(EngineClient):
 
 async def _read_to_end(lines: AsyncIterator[str]) -> None:
     """Consume what is left of a finished stream so its connection can be reused (dropped if it lingers)."""
-    with anyio.move_on_after(STREAM_END_GRACE_S), contextlib.suppress(httpx.HTTPError, ProtocolError):
+    with anyio.move_on_after(STREAM_END_GRACE_S), contextlib.suppress(OSError, asyncio.IncompleteReadError,
+                                                                      WorkerProtocolError):
         async for _ in lines:  # a tail that breaks changes nothing: the request already finished
             pass
 

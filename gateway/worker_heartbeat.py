@@ -103,7 +103,8 @@ class RedisWorkerDirectory:
 
     async def members(self) -> dict[str, WorkerState | None]:
         """URL → the state in its last heartbeat (None if unreadable). Raises RedisError / OSError."""
-        urls = sorted(u.decode() for u in await self._client.smembers(members_key(self.key_prefix)))
+        raw = await self._client.smembers(members_key(self.key_prefix))  # type: ignore[misc]
+        urls = sorted(u.decode() if isinstance(u, bytes) else u for u in raw)
         if not urls:
             return {}
         payloads = await self._client.mget([worker_key(self.key_prefix, u) for u in urls])

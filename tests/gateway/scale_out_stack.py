@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,9 +56,7 @@ def start_gateway(model_dir: Path, data_dir: Path, redis_url: str, routing: str)
 
 
 def wait_gateway_sees(gateway: GatewayProcess, workers: int, timeout_s: float = 30.0) -> None:
-    """Until the gateway's fleet state counts `workers` healthy workers' KV pools (via /health + polls)."""
-    import time
-
+    """Until the gateway is healthy and has logged `workers` workers coming into rotation."""
     gateway.wait()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
