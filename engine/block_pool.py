@@ -13,8 +13,10 @@ class BlockPool:
     """Block ids 0..num_blocks-1, each with a reference count.
 
     A block is free exactly when its count is 0. The free list is an ordered dict used as a doubly
-    linked list: allocate pops from the front, free appends at the back, and `remove_free` takes a
-    block out of the middle — all O(1).
+    linked list: allocate pops from the front and free appends at the back, both O(1), and any block can
+    leave the list in O(1). NOTE: cached prefix blocks never wait in the free list: the radix cache holds
+    its own reference on them and gives them back only when it evicts them (SGLang style), so a cache hit
+    takes a reference instead of fishing a block out of the free list (vLLM style).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -48,11 +50,6 @@ class BlockPool:
             if self.ref_counts[b] <= 0:
                 raise AssertionError(f"incref of free block {b}")
             self.ref_counts[b] += 1
-
-    def remove_free(self, block_id: int) -> None:
-        """Take one specific free block out of the free list (count 0 -> 1), O(1)."""
-        del self._free[block_id]
-        self.ref_counts[block_id] = 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one holder from each block; blocks whose count reaches 0 return to the free list."""
