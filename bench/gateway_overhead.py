@@ -2,6 +2,8 @@
 
 Processes: a null engine worker (gateway.testing.null_worker: answers at once), `loraplex serve
 --worker-url` with the SQLite store (memory quotas) and with Redis (store and quotas), and this client.
+Rows "sqlite+budget" use a tenant with a daily token budget on the SQLite gateway, so every request's
+bookings are committed (fsynced, group-committed) to <data-dir>/quota_ledger.db before it is admitted.
 At each target rate an open-loop client (bounded to --max-in-flight requests) sends streamed completions
 of `MAX_TOKENS` tokens, first straight to the worker's /generate, then through the gateway; latency is send
 to last byte. Overhead = gateway percentile - direct percentile.
@@ -32,6 +34,7 @@ MAX_TOKENS = 8
 PROMPT = list(range(1, 17))
 ROOMY = {"requests_per_minute": 10_000_000, "tokens_per_minute": 100_000_000, "max_concurrent_requests": 100_000,
          "max_queued_requests": 100_000, "max_tokens_per_request": 100_000}
+BUDGETED = {**ROOMY, "daily_token_budget": 10**12}  # never refuses, but every booking must be durable
 
 
 def tokenizer_model() -> Path:
@@ -140,7 +143,9 @@ async def measure(send, rate: float, duration_s: float, max_in_flight: int) -> d
     return await run_load(send, rate, duration_s, max_in_flight)
 
 
-def start_gateway(model: Path, data_dir: Path, worker_url: str, redis_url: str | None) -> tuple[subprocess.Popen, str, str]:
+def start_gateway(model: Path, data_dir: Path, worker_url: str, redis_url: str | None
+                  ) -> tuple[subprocess.Popen, str, dict[str, str]]:
+    """The gateway process, its URL, and an API key per tenant kind ("roomy", "budgeted")."""
     from gateway.store import open_store
 
     port = free_port()
@@ -152,10 +157,12 @@ def start_gateway(model: Path, data_dir: Path, worker_url: str, redis_url: str |
     url = f"http://127.0.0.1:{port}"
     wait_ok(url + "/health")
     store = open_store(redis_url) if redis_url else open_store(data_dir / "store.db")
-    tenant = store.create_tenant(f"bench-{port}", policy=ROOMY)
-    key = store.create_api_key(tenant.id)[0]
+    keys = {}
+    for kind, policy in (("roomy", ROOMY), ("budgeted", BUDGETED)):
+        tenant = store.create_tenant(f"bench-{kind}-{port}", policy=policy)
+        keys[kind] = store.create_api_key(tenant.id)[0]
     store.close()
-    return proc, url, key
+    return proc, url, keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_ok(worker_url + "/health", {"x-loraplex-worker-secret": SECRET})
         gateways = {}
         for store_kind, url in (("sqlite", None), ("redis", redis_url)):
-            proc, gw_url, key = start_gateway(model, root / store_kind, worker_url, url)
+            proc, gw_url, keys = start_gateway(model, root / store_kind, worker_url, url)
             procs.append(proc)
-            gateways[store_kind] = (gw_url, key)
+            gateways[store_kind] = (gw_url, keys["roomy"])
+            if store_kind == "sqlite":
+                gateways["sqlite+budget"] = (gw_url, keys["budgeted"])
 
         async def run_all() -> None:
             limits = httpx.Limits(max_connections=args.max_in_flight, max_keepalive_connections=args.max_in_flight)

@@ -45,7 +45,8 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
               adapter_uploads: AdapterUploadConfig | None = None,
               telemetry: Telemetry | None = None) -> Starlette:
     """The gateway app. `resources` (e.g. a worker supervisor) is entered for the app's lifetime;
-    the engine client, and the admission if it has an async `close()`, are closed on shutdown.
+    the engine client, and the admission and usage reporter if they have an async `close()`, are closed on
+    shutdown (the usage reporter last, after requests and admission have settled).
     `telemetry` (metrics, traces, the dashboard's activity window) defaults to one that exports nothing."""
     telemetry = telemetry or Telemetry()
     admission = InstrumentedAdmission(admission or PriorityClampAdmission(), telemetry)
@@ -60,6 +61,9 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
         async with contextlib.AsyncExitStack() as stack:
             if resources is not None:
                 await stack.enter_async_context(resources())
+            close_usage = getattr(state.usage, "close", None)  # e.g. BatchedUsageReporter's last flush
+            if close_usage is not None:
+                stack.push_async_callback(close_usage)
             stack.push_async_callback(engine.close)
             close_admission = getattr(state.admission, "close", None)  # e.g. QuotaAdmission's Redis pool
             if close_admission is not None:

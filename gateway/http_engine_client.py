@@ -46,6 +46,9 @@ STREAM_END_GRACE_S = 1.0  # how long a finished stream may take to end before it
 
 
 class HttpEngineClient(EngineClient):
+    """One worker over HTTP. `transport` (httpx) serves abort, state and health; generate always uses
+    the kept-alive pool of gateway/worker_http.py."""
+
     def __init__(self, base_url: str, secret: str, *, connect_timeout_s: float = 5.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")

@@ -88,6 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.operator_commands import open_cli_store
     from gateway.supervisor import WorkerLaunch, WorkerSupervisor
     from gateway.telemetry import Telemetry, TelemetryConfig
+    from gateway.usage_batching import BatchedUsageReporter
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("httpx", "httpcore"):  # one INFO line per worker call is a per-request cost
@@ -118,7 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     admission = quota_admission(args)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model), max_lora_rank=args.max_lora_rank)
     app = build_app(config, store, client, Tokenizer(model), admission=admission, resources=resources,
-                    adapter_uploads=uploads, telemetry=telemetry)
+                    adapter_uploads=uploads, telemetry=telemetry, usage=BatchedUsageReporter(store))
     port = args.port or DEFAULT_GATEWAY_PORT
     print(f"loraplex gateway on http://{args.host}:{port}/v1 serving '{served_name}'", flush=True)
     try:

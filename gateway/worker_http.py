@@ -19,6 +19,7 @@ malformed answer; OSError / asyncio.IncompleteReadError for a connection that br
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -143,6 +144,7 @@ class WorkerHttpPool:
         netloc = parts.netloc.rsplit("@", 1)[-1]
         self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in {"host": netloc, **(default_headers or {})}.items())
         self._idle: list[_Connection] = []
+        self._idle_loop: asyncio.AbstractEventLoop | None = None  # the loop the idle connections belong to
         self._closed = False
 
     async def request(self, method: str, path: str, body: bytes = b"",
@@ -168,6 +170,12 @@ class WorkerHttpPool:
             conn.close()
 
     def _take_idle(self) -> _Connection | None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._idle_loop:  # connections of another (maybe closed) loop cannot be used here
+            for conn in self._idle:
+                with contextlib.suppress(RuntimeError):  # that loop is closed
+                    conn.close()
+            self._idle, self._idle_loop = [], loop
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()

@@ -141,7 +141,10 @@ class MemoryQuotaBackend(QuotaBackend):
             state.tokens.adjust(lease.reserved_tokens)
             state.lease_expiry.pop(lease.lease_id, None)
             state.unsettled.discard(lease.lease_id)
-            batch.add_done_callback(lambda done: self._unbook(lease, committed=_committed(done)))
+            if batch.done():  # failed (or committed just as the caller gave up)
+                self._unbook(lease, committed=_committed(batch))
+            else:  # cancelled while the commit runs: take it back once its outcome is known
+                batch.add_done_callback(lambda done: self._unbook(lease, committed=_committed(done)))
             if isinstance(e, LedgerWriteFailed):
                 raise QuotaUnavailable(str(e), retry_after_s=self.config.concurrency_retry_after_s) from None
             raise

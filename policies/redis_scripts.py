@@ -100,8 +100,12 @@ local tpm = tonumber(ARGV[3])
 local tk = load_bucket(KEYS[1], tpm, now)
 tk[1] = math.max(-tpm, math.min(tpm, tk[1] + refund))
 save_bucket(KEYS[1], tk)
-for i = 3, 4 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], -refund) end
+-- NOTE: no INCRBY by 0: Lua renders -0 as "-0", which Redis refuses as an integer (the script would stop
+-- half way, after the bucket write and before 'settled').
+if refund ~= 0 then
+  for i = 3, 4 do
+    if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], -refund) end
+  end
 end
 redis.call('HSET', KEYS[2], 'settled', '1')
 return 1

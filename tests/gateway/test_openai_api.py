@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import BASE_MODEL
+from tests.gateway.conftest import BASE_MODEL, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,9 @@ def test_chat_completion_reports_usage_and_text(client, gateway_stack):
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
     assert resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens > 5
     assert resp.id.startswith("chatcmpl-") and resp.model == BASE_MODEL
+    # NOTE: usage is recorded when the request settles, which may be just after the client has its answer.
+    assert wait_until(lambda: gateway_stack.store.usage_totals(
+        gateway_stack.tenant_a, 0, time.time() + 3600).requests == before.requests + 1)
     after = gateway_stack.store.usage_totals(gateway_stack.tenant_a, 0, time.time() + 3600)
     assert after.requests == before.requests + 1
     assert after.completion_tokens == before.completion_tokens + 6

@@ -8,7 +8,7 @@ import pytest
 
 from policies.budget_period import BudgetPeriods
 from policies.memory_quota import MemoryQuotaBackend
-from policies.quota import QuotaConfig, RefusalReason
+from policies.quota import QuotaConfig, QuotaUnavailable, RefusalReason
 from policies.tenant_policy import RequestTooLarge, TenantPolicy
 from policies.usage_ledger import SqliteUsageLedger
 
@@ -172,3 +172,89 @@ def test_first_booking_with_a_ledger_counts_once(tmp_path):
         ledger.close()
 
     run(go())
+
+
+def test_tenants_without_a_budget_never_write_the_ledger_but_a_later_budget_counts_the_period(tmp_path):
+    async def scenario() -> None:
+        ledger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        backend = MemoryQuotaBackend(ledger=ledger)
+        free = TenantPolicy()
+        first = await backend.admit("a", free, 100, 100, T0)
+        await backend.reconcile(first.lease, 150, T0)
+        periods = BudgetPeriods.at(T0)
+        assert ledger.tokens("a", periods.day) == 0  # nothing written: no budget to protect
+        assert (await backend.usage("a", T0)).day_tokens == 150  # but counted
+        budgeted = TenantPolicy(daily_token_budget=1000)
+        second = await backend.admit("a", budgeted, 100, 100, T0)
+        assert ledger.tokens("a", periods.day) == 350  # the earlier 150 came along with the first booking
+        await backend.reconcile(second.lease, 50, T0)
+        assert (ledger.tokens("a", periods.day), ledger.tokens("a", periods.month)) == (200, 200)
+        await backend.close()
+        ledger.close()
+
+    run(scenario())
+
+
+def test_concurrent_budgeted_admissions_share_commits_and_survive_a_restart(tmp_path):
+    policy = TenantPolicy(daily_token_budget=10_000, max_concurrent_requests=100)
+
+    async def first_life() -> int:
+        ledger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        backend = MemoryQuotaBackend(ledger=ledger)
+        admissions = await asyncio.gather(*(backend.admit("a", policy, 50, 50, T0) for _ in range(40)))
+        assert all(a.granted for a in admissions)
+        assert ledger.tokens("a", BudgetPeriods.at(T0).day) == 4000  # durable once admit returned
+        writes = backend._ledger.batches_written
+        await backend.close()
+        ledger.close()
+        return writes
+
+    async def second_life() -> None:
+        ledger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        backend = MemoryQuotaBackend(ledger=ledger)
+        assert (await backend.usage("a", T0)).day_tokens == 4000
+        ledger.close()
+
+    assert run(first_life()) < 40
+    run(second_life())
+
+
+def test_a_ledger_that_cannot_be_written_refuses_with_503_and_takes_the_grant_back(tmp_path):
+    async def scenario() -> None:
+        ledger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        backend = MemoryQuotaBackend(ledger=ledger)
+        policy = TenantPolicy(daily_token_budget=1000, requests_per_minute=2, max_concurrent_requests=1)
+        first = await backend.admit("a", policy, 10, 10, T0)
+        await backend.reconcile(first.lease, 20, T0)
+        await backend.release(first.lease)
+        ledger.close()  # the disk "fails": every write raises from now on
+        with pytest.raises(QuotaUnavailable, match="budget ledger"):
+            await backend.admit("a", policy, 10, 10, T0)
+        usage = await backend.usage("a", T0)
+        assert (usage.in_flight, usage.day_tokens) == (0, 20)  # no lease, no booking left behind
+        refused = await backend.admit("a", TenantPolicy(requests_per_minute=2, max_concurrent_requests=1), 1, 1, T0)
+        assert refused.granted  # the request taken by the failed admission was given back (1 of 2 used)
+        await backend.close()
+
+    run(scenario())
+
+
+def test_an_admission_cancelled_while_its_booking_commits_gives_everything_back(tmp_path):
+    async def scenario() -> None:
+        ledger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        backend = MemoryQuotaBackend(ledger=ledger)
+        policy = TenantPolicy(daily_token_budget=1000, max_concurrent_requests=1)
+        admitting = asyncio.ensure_future(backend.admit("a", policy, 10, 10, T0))
+        await asyncio.sleep(0)  # decided and booked in memory; the commit is on its way
+        admitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        await backend.close()  # the booking's commit, then its give-back's
+        usage = await backend.usage("a", T0)
+        assert (usage.in_flight, usage.day_tokens) == (0, 0)
+        assert ledger.tokens("a", BudgetPeriods.at(T0).day) == 0
+        assert (await backend.admit("a", policy, 10, 10, T0)).granted  # the concurrency slot is free
+        await backend.close()
+        ledger.close()
+
+    run(scenario())

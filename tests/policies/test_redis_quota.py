@@ -163,6 +163,22 @@ def test_budget_refuses_at_exactly_the_limit_and_reconcile_refunds(redis_server)
     asyncio.run(scenario())
 
 
+def test_reconcile_of_exactly_the_reservation_settles_once(redis_server):
+    """Refund 0 (served == reserved, the common case for fixed-length answers) settles like any other."""
+    policy = TenantPolicy(daily_token_budget=1000, tokens_per_minute=100_000)
+
+    async def scenario() -> None:
+        backend = RedisQuotaBackend.from_url(redis_server.url)
+        admission = await backend.admit("z", policy, 16, 8, T0)
+        assert await backend.reconcile(admission.lease, 24, T0)
+        assert not await backend.reconcile(admission.lease, 24, T0), "reconcile applies once"
+        usage = await backend.usage("z", T0)
+        assert (usage.day_tokens, usage.month_tokens) == (24, 24)
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
 def test_tokens_reconcile_refunds_bucket_and_headers_snapshot(redis_server):
     policy = TenantPolicy(requests_per_minute=60, tokens_per_minute=6000, max_tokens_per_request=6000)
 
