@@ -131,6 +131,11 @@ def main() -> None:
     if not args.skip_hf:
         rows.append({"system": "transformers", **replay_hf(model, conv, max_tokens)})
     total = rows[0]["prompt_tokens"]
+    # Tokens a turn repeats from the previous turn's prompt: the most any prefix cache can skip here (the
+    # replayed assistant answers are not what the model generated, so they are not cached).
+    repeated = sum(len(c[t - 1]) for c in conv for t in range(1, turns))
+    print(f"\nrepeated share of prompt tokens: {repeated / total:.3f} (so at best {1 - repeated / total:.3f} "
+          "of prompt tokens must be computed)")
     for r in rows:
         r["computed_share"] = r["prefill_tokens_computed"] / total
         r["speedup_vs_off"] = r["tokens_per_s"] / rows[1]["tokens_per_s"]
@@ -148,6 +153,7 @@ def main() -> None:
     print_table("(c) 0 % hit rate: distinct 300-token prompts (CPU, fp32)", zero,
                 ["system", "prefill_tokens_computed", "tokens_per_s", "cost_vs_off", "wall_s"])
     write_json("prefix_cache", {"shared_system_prompt": a, "multi_turn": rows, "zero_hit": zero,
+                                "repeated_share": repeated / total,
                                 "quick": args.quick})
 
 

@@ -13,6 +13,7 @@ from engine.loader import load_weights
 from engine.models.llama import AttentionInputs, LlamaModel
 from engine.plan import BatchPlan, ModelOutput, SampleRow
 from engine.sampler import Sampler
+from kernels.attention import StepAttentionPlan
 
 if TYPE_CHECKING:
     from engine.lora_slots import LoRASlots
@@ -65,15 +66,9 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=dev)  # (T,)
         positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # (T,)
-        max_blocks = max(len(s.block_table) for s in plan.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in plan.seqs]
-        starts = [s.query_start for s in plan.seqs] + [plan.num_tokens]
-        attn = AttentionInputs(
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),  # (S, max_blocks)
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),  # (S + 1,)
-            seq_lens=torch.tensor([s.seq_len for s in plan.seqs], dtype=torch.int32, device=dev),  # (S,)
-            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=dev),  # (T,)
-        )
+        attn = self._attention_inputs([s.block_table for s in plan.seqs],
+                                      [s.query_start for s in plan.seqs] + [plan.num_tokens],
+                                      [s.seq_len for s in plan.seqs], plan.slot_mapping)
         lora_ctx = self.lora.context(plan) if self.lora is not None else None
         hidden = self.model.forward(input_ids, positions, self.kv_caches, attn, lora_ctx)  # (T, H)
         if not plan.sample_rows:
@@ -82,6 +77,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[index])  # (N, V) float32
         grammar = self.grammar_masker(plan.sample_rows) if self.grammar_masker is not None else None
         return ModelOutput(self.sampler(logits, plan.sample_rows, grammar))
+
+    def _attention_inputs(self, tables: list[list[int]], starts: list[int], seq_lens: list[int],
+                          slot_mapping: list[int]) -> AttentionInputs:
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32,
+                                    device=dev)  # (S, max_blocks)
+        query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)  # (S + 1,)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)  # (S,)
+        plan = None
+        if dev.type == "cpu":  # the torch attention path: do its per-step work once, not once per layer
+            plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens_t, self.config.block_size,
+                                           self.model_config.sliding_window)
+        return AttentionInputs(block_tables, query_start_loc, seq_lens_t,
+                               torch.tensor(slot_mapping, dtype=torch.long, device=dev), plan)  # slots: (T,)
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], lora_slot: int = -1) -> torch.Tensor:
@@ -94,12 +104,8 @@ class ModelRunner:
         n_blocks = -(-len(token_ids) // bs)
         table = list(range(self.num_blocks - n_blocks, self.num_blocks))
         dev = self.device
-        attn = AttentionInputs(
-            block_tables=torch.tensor([table], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, len(token_ids)], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([len(token_ids)], dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(len(token_ids))], device=dev),
-        )
+        attn = self._attention_inputs([table], [0, len(token_ids)], [len(token_ids)],
+                                      [table[p // bs] * bs + p % bs for p in range(len(token_ids))])
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         lora_ctx = None
         if lora_slot >= 0 and self.lora is not None:

@@ -179,10 +179,11 @@ def _delete(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _size(n: int) -> str:
+    value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        if value < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
     raise AssertionError("unreachable")
 
 

@@ -21,7 +21,7 @@ edits take effect on the tenant's next request: admission reads the policy from 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -183,9 +183,10 @@ async def tenant_usage(request: Request) -> Response:
     _admin(request)
     store = _gateway(request).store
     tenant = _tenant(store, request.path_params["tenant"])
-    granularity = request.query_params.get("granularity", "hour")
-    if granularity not in ("hour", "day"):
+    asked = request.query_params.get("granularity", "hour")
+    if asked not in ("hour", "day"):
         raise invalid_request("granularity must be 'hour' or 'day'.", param="granularity")
+    granularity: Literal["hour", "day"] = "day" if asked == "day" else "hour"
     hours = _int_param(request, "hours", 48, 1, MAX_USAGE_HOURS)
     now = time.time()
     rows = await run_in_threadpool(store.usage, tenant.id, now - hours * 3600.0, now, granularity)

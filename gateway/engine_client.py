@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 from engine.protocol import (
     ADAPTER_UNAVAILABLE,
@@ -65,7 +66,7 @@ class EngineClient(ABC):
         return None
 
 
-def raise_for_error(message: GenerateError, started: bool) -> None:
+def raise_for_error(message: GenerateError, started: bool) -> NoReturn:
     """Turn a worker's GenerateError message into the matching client exception."""
     if message.code == INVALID_REQUEST and not started:
         raise WorkerRequestError(message.message)

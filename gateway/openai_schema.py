@@ -120,7 +120,7 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
-def parse_body(raw: bytes, model: type[_Body]) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes → validated request model, or an ApiError(400) naming the offending param."""
     try:
         data = json.loads(raw)

@@ -25,6 +25,7 @@ from policies import (
     FairQueue,
     FairQueueConfig,
     MemoryQuotaBackend,
+    QuotaBackend,
     QuotaConfig,
     RedisQuotaBackend,
     SqliteUsageLedger,
@@ -65,6 +66,7 @@ def build_quota_admission(settings: QuotaSettings, *, redis_url: str | None = No
     (no ledger, so budgets restart from zero, when `data_dir` is None)."""
     config = QuotaConfig(lease_ttl_s=settings.lease_ttl_s)
     if redis_url:
+        quota: QuotaBackend
         shared = RedisQuotaBackend.from_url(redis_url, config, timeout_s=settings.redis_timeout_s)
         quota = FailoverQuotaBackend(shared, FailoverConfig(mode=FAIL_MODES[settings.fail_mode],
                                                             local_limit_fraction=settings.fail_open_fraction))

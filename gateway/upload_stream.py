@@ -143,7 +143,7 @@ async def receive_upload(request: Request, dest: Path, form: UploadForm) -> Rece
                        code="unsupported_media_type")
     with dest.open("xb") as out:
         collector = _PartCollector(form, out)
-        parser = MultipartParser(params[b"boundary"], collector.callbacks())
+        parser = MultipartParser(params[b"boundary"], collector.callbacks())  # type: ignore[arg-type]
         try:
             async for chunk in request.stream():
                 if collector.complete:

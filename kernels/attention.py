@@ -15,6 +15,8 @@ keys at positions max(0, p - sliding_window + 1) .. p (causal; the window only w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -33,6 +35,44 @@ def write_kv(
         flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
+@dataclass(frozen=True)
+class StepAttentionPlan:
+    """The host-side part of one step's attention, identical for every layer: built once per step.
+
+    Which sequences decode (one query token) and their gathered block ids, row indices and key mask;
+    the query and sequence lengths of the prefill chunks. Torch path only (Triton reads the tensors).
+    """
+
+    starts: list[int]  # query_start_loc as a list
+    seq_lens: list[int]
+    decode_seqs: list[int]  # indices of the sequences with exactly one query token
+    decode_rows: torch.Tensor | None  # (B,) rows of q for those sequences
+    decode_blocks: torch.Tensor | None  # (B * nb,) their block ids, flattened, padded to the longest
+    decode_masked: torch.Tensor | None  # (B, nb * block_size) True where a key is not visible
+
+    @classmethod
+    def build(cls, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+              block_size: int, sliding_window: int | None = None) -> StepAttentionPlan:
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+        if not decode:
+            return cls(starts, lens, decode, None, None, None)
+        device = block_tables.device
+        n_blocks = (max(lens[i] for i in decode) + block_size - 1) // block_size
+        length = n_blocks * block_size
+        pos = torch.arange(length, device=device)
+        lens_t = torch.tensor([lens[i] for i in decode], device=device)
+        masked = pos[None, :] >= lens_t[:, None]  # (B, L)
+        if sliding_window is not None:
+            masked |= pos[None, :] <= (lens_t[:, None] - 1 - sliding_window)
+        return cls(
+            starts, lens, decode,
+            decode_rows=torch.tensor([starts[i] for i in decode], device=device),
+            decode_blocks=block_tables[decode, :n_blocks].reshape(-1),
+            decode_masked=masked,
+        )
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -42,6 +82,7 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    plan: StepAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of a mixed prefill/decode batch over paged KV (torch reference).
 
@@ -54,45 +95,36 @@ def paged_attention_ref(
     Decode rows (one query token) are computed together: one gather of every decode sequence's keys
     and values, head-major so the batched matmuls read them without another copy. Prefill chunks run
     one sequence at a time through SDPA. Scores and softmax are fp32; the matmuls run in the cache dtype
-    with fp32 accumulation (exact for fp32). This is the CPU path; it does not modify the caches.
+    with fp32 accumulation (exact for fp32). `plan` (StepAttentionPlan.build of the same metadata) saves
+    every layer after the first from recomputing it. This is the CPU path; it does not modify the caches.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if plan is None:
+        plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens, block_size, sliding_window)
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    starts, lens = plan.starts, plan.seq_lens
     # (H_kv, num_blocks, block_size, D) views: a gather over blocks then yields head-major tensors
     k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
 
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode:
-        b = len(decode)
-        rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        max_len = max(lens[i] for i in decode)
-        n_blocks = (max_len + block_size - 1) // block_size
-        tables = block_tables[decode, :n_blocks]  # (B, nb)
-        length = n_blocks * block_size
-        flat = tables.reshape(-1)
-        keys = k_heads.index_select(1, flat).view(num_kv_heads * b, length, head_dim)  # (H_kv * B, L, D)
-        values = v_heads.index_select(1, flat).view(num_kv_heads * b, length, head_dim)
-        qd = q[rows].view(b, num_kv_heads, group, head_dim).transpose(0, 1)  # (H_kv, B, G, D)
+    if plan.decode_seqs:
+        assert plan.decode_rows is not None and plan.decode_blocks is not None and plan.decode_masked is not None
+        b, length = plan.decode_masked.shape
+        keys = k_heads.index_select(1, plan.decode_blocks).view(num_kv_heads * b, length, head_dim)
+        values = v_heads.index_select(1, plan.decode_blocks).view(num_kv_heads * b, length, head_dim)
+        qd = q[plan.decode_rows].view(b, num_kv_heads, group, head_dim).transpose(0, 1)  # (H_kv, B, G, D)
         qd = qd.reshape(num_kv_heads * b, group, head_dim).to(keys.dtype)
         scores = torch.bmm(qd, keys.transpose(1, 2)).float().view(num_kv_heads, b, group, length)
-        pos = torch.arange(length, device=q.device)
-        lens_t = torch.tensor([lens[i] for i in decode], device=q.device)
-        masked = pos[None, :] >= lens_t[:, None]  # (B, L)
-        if sliding_window is not None:
-            masked |= pos[None, :] <= (lens_t[:, None] - 1 - sliding_window)
-        scores = scores.mul_(scale).masked_fill_(masked[None, :, None, :], float("-inf"))
+        scores = scores.mul_(scale).masked_fill_(plan.decode_masked[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads * b, group, length)  # (H_kv * B, G, L)
         if values.dtype != torch.float32:
             probs = probs.to(values.dtype)
         attn = torch.bmm(probs, values).view(num_kv_heads, b, group, head_dim)  # (H_kv, B, G, D)
-        out[rows] = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)
+        out[plan.decode_rows] = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)
 
-    for i, n in enumerate(query_lens):
+    for i in range(len(lens)):
+        n = starts[i + 1] - starts[i]
         if n <= 1:
             continue
         seq_len = lens[i]
@@ -122,12 +154,17 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    plan: StepAttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Dispatch: Triton kernels on CUDA, the torch reference elsewhere. Same semantics as the reference."""
+    """Dispatch: Triton kernels on CUDA, the torch reference elsewhere. Same semantics as the reference.
+
+    `plan` is the torch path's per-step precomputation (see StepAttentionPlan); Triton ignores it.
+    """
     if q.is_cuda:
         from kernels import attention_triton
 
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
         )
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                               plan)

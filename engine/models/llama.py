@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
-from kernels.attention import paged_attention, write_kv
+from kernels.attention import StepAttentionPlan, paged_attention, write_kv
 
 
 class LoRAContext(Protocol):
@@ -33,6 +33,7 @@ class AttentionInputs:
     query_start_loc: torch.Tensor  # (S + 1,) int32
     seq_lens: torch.Tensor  # (S,) int32
     slot_mapping: torch.Tensor  # (T,) int64
+    plan: StepAttentionPlan | None = None  # the torch path's per-step precomputation (CPU)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,26 +101,27 @@ class LlamaModel:
         """Hidden states after the final norm, (T, H). Writes this step's K/V into kv_caches."""
         cfg = self.cfg
         n_tok = input_ids.shape[0]
+        cos, sin = self.rotary.tables(positions)  # (T, 1, D) each, shared by every layer
         x = F.embedding(input_ids, self.embed)  # (T, H)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.reshape(n_tok, cfg.num_heads, cfg.head_dim)  # (T, Hq, D)
-            k = k.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
-            v = v.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = self.rotary(q, positions)
-            k = self.rotary(k, positions)
+                q, k = qkv[:, : cfg.q_size], qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
+                q = rms_norm(q.reshape(n_tok, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+                q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+            else:  # rotate q and k in one go: they are adjacent in the fused projection
+                qk = qkv[:, : cfg.q_size + cfg.kv_size].reshape(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+                q, k = self.rotary.apply(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             k_cache, v_cache = kv_caches[i]
             write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
             o_in = paged_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
-                cfg.sliding_window,
+                cfg.sliding_window, attn.plan,
             ).reshape(n_tok, cfg.q_size)  # (T, q)
             o = F.linear(o_in, layer.o)  # (T, H)
             if lora is not None:

@@ -38,10 +38,13 @@ class RotaryEmbedding:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, each (T, 1, D): gathered once per step, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, D) -> rotated x (same dtype), computed in fp32."""
-        cos = self.cos[positions][:, None, :]  # (T, 1, D)
-        sin = self.sin[positions][:, None, :]
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
