@@ -74,9 +74,7 @@ def redis_server(tmp_path: Path):
     """
     import shutil
     import subprocess
-    import time
 
-    import redis
 
     exe = shutil.which("redis-server")
     if exe is None:
@@ -88,18 +86,30 @@ def redis_server(tmp_path: Path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    client.close()
+    wait_for_redis(url)
     server = RedisServer(url=url, process=proc)
     yield server
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def wait_for_redis(url: str, timeout_s: float = 5.0) -> None:
+    """Block until a redis-server answers PING at url (or the timeout passes)."""
+    import time
+
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+    finally:
+        client.close()
 
 
 class RedisServer:

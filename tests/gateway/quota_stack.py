@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for_redis
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "quota-test-secret"
@@ -77,14 +76,7 @@ def start_redis(data_dir: Path) -> tuple[Process, str]:
     proc = Process([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                     "--dir", str(data_dir)])
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(250):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    client.close()
+    wait_for_redis(url)
     return proc, url
 
 
