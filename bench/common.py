@@ -39,6 +39,15 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
     ]
 
 
+def left_padded(group: list[tuple[list[int], int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A transformers batch the way a user builds one: (input ids, attention mask, max new tokens),
+    prompts left-padded to the longest in the group."""
+    width = max(len(p) for p, _ in group)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])  # (B, width)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])  # (B, width)
+    return ids, mask, max(n for _, n in group)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

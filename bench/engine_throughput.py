@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import bench_model, percentile, print_table, timed, workload, write_json
+from bench.common import bench_model, left_padded, percentile, print_table, timed, workload, write_json
 from engine import SamplingParams
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
@@ -56,10 +56,7 @@ def run_transformers(model: Path, reqs: list[tuple[list[int], int]], dtype: str,
     ttft, n_tokens = [], 0
     for start in range(0, len(reqs), batch):
         group = reqs[start : start + batch]
-        width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
-        max_new = max(n for _, n in group)
+        ids, mask, max_new = left_padded(group, pad)
         with torch.no_grad():
             hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                         do_sample=False, pad_token_id=pad)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import CACHE, bench_model, print_table, workload, write_json
+from bench.common import CACHE, bench_model, left_padded, print_table, workload, write_json
 from engine import SamplingParams
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
@@ -95,10 +95,7 @@ def run_transformers_peft(model: Path, reqs: list[tuple[list[int], int]], adapte
     n_tokens = 0
     for start in range(0, len(reqs), HF_BATCH):
         group = reqs[start : start + HF_BATCH]
-        width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
-        max_new = max(n for _, n in group)
+        ids, mask, max_new = left_padded(group, pad)
         with torch.no_grad():
             peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                                 min_new_tokens=max_new, do_sample=False, pad_token_id=pad,

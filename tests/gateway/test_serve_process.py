@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,27 +13,18 @@ import openai
 import pytest
 
 from tests.conftest import free_port
+from tests.gateway.quota_stack import Process
 
 pytestmark = pytest.mark.slow
 
 
-class ServeProcess:
+class ServeProcess(Process):
+    """`python -m gateway.cli serve` with no model (demo model and tenant) on a free port."""
+
     def __init__(self, data_dir: Path) -> None:
         self.port = free_port()
-        env = {**os.environ, "LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_PORT": str(self.port)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--kv-cache-memory-gb", "0.05"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            cwd=Path(__file__).resolve().parents[2],
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        super().__init__([sys.executable, "-m", "gateway.cli", "serve", "--kv-cache-memory-gb", "0.05"],
+                         env={"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_PORT": str(self.port)})
 
     @property
     def url(self) -> str:
@@ -44,32 +33,21 @@ class ServeProcess:
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "\n".join(self.lines[-30:])
+            assert self.proc.poll() is None, self.tail()
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise AssertionError("gateway never became healthy:\n" + "\n".join(self.lines[-30:]))
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(timeout=10)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
+        raise AssertionError("gateway never became healthy:\n" + self.tail())
 
 
 @pytest.fixture()
 def served(tmp_path):
     server = ServeProcess(tmp_path)
     yield server, tmp_path
-    server.stop()
+    server.stop(signal.SIGINT)
 
 
 def test_worker_killed_mid_stream_ends_the_stream_with_an_error_and_is_restarted(served):
