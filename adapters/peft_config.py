@@ -16,7 +16,7 @@ from typing import Any
 
 from adapters.errors import AdapterError
 from adapters.safe_regex import compile_bounded_regex
-from engine.config import LORA_TARGET_MODULES, ModelConfig
+from wire.checkpoint import LORA_TARGET_MODULES, ModelConfig
 
 ModuleKey = tuple[int, str]  # (layer index, projection name such as "q_proj")
 

@@ -28,7 +28,7 @@ from adapters.adapter_files import (
 from adapters.errors import AdapterError
 from adapters.lora_adapter import AdapterManifest, LoRAAdapter, LoRAModuleWeights
 from adapters.peft_config import ModuleKey, PeftLoraConfig, module_path
-from engine.config import LORA_TARGET_MODULES, ModelConfig
+from wire.checkpoint import LORA_TARGET_MODULES, ModelConfig
 
 _LORA_KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.demo import SMOLLM_SHAPE, make_checkpoint, train_tokenizer
+from demo.checkpoint import SMOLLM_SHAPE, make_checkpoint, train_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(__file__).resolve().parent / ".cache"

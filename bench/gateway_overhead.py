@@ -1,6 +1,6 @@
 """Latency the gateway adds (auth, quota, fair queue, routing, SSE) over calling a null worker directly.
 
-Processes: a null engine worker (gateway.testing.null_worker: answers at once), `loraplex serve
+Processes: a null engine worker (demo.null_worker: answers at once), `loraplex serve
 --worker-url` with the SQLite store (memory quotas) and with Redis (store and quotas), and this client.
 Rows "sqlite+budget" use a tenant with a daily token budget on the SQLite gateway, so every request's
 bookings are committed (fsynced, group-committed) to <data-dir>/quota_ledger.db before it is admitted.
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import CACHE, percentile, print_table, write_json
-from engine.demo import FAMILIES, make_checkpoint, train_tokenizer
+from demo.checkpoint import FAMILIES, make_checkpoint, train_tokenizer
 
 SECRET = "bench-secret"
 MODEL_NAME = "null-model"
@@ -149,7 +149,7 @@ def start_gateway(model: Path, data_dir: Path, worker_url: str, redis_url: str |
     from gateway.store import open_store
 
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model), "--served-model-name", MODEL_NAME,
+    argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", str(model), "--served-model-name", MODEL_NAME,
             "--worker-url", worker_url, "--port", str(port), "--data-dir", str(data_dir), "--queue-capacity", "1024"]
     if redis_url:
         argv += ["--redis-url", redis_url]
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     worker_port, redis_port = free_port(), free_port()
     worker_url, redis_url = f"http://127.0.0.1:{worker_port}", f"redis://127.0.0.1:{redis_port}/0"
-    procs = [spawn([sys.executable, "-m", "gateway.testing.null_worker", "--port", str(worker_port)]),
+    procs = [spawn([sys.executable, "-m", "demo.null_worker", "--port", str(worker_port)]),
              spawn(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no", "--dir", str(root)])]
     rows = []

@@ -6,7 +6,7 @@ engine's output tokens/s constrained vs unconstrained on the bench model.
 (run it as a module from the repository root: as a script, bench/grammar.py would shadow the
 `grammar` package).
 
-Uses the bench model's tokenizer (engine.demo.train_tokenizer(dir, "byte_bpe", 8192); the real vocabulary
+Uses the bench model's tokenizer (demo.checkpoint.train_tokenizer(dir, "byte_bpe", 8192); the real vocabulary
 size is printed) and the 20 schemas of
 tests/grammar/schemas.json. xgrammar is timed as an outside reference for the compile call alone (no pool hop);
 it is not a backend here: it silently drops minLength/maxLength next to pattern or format.
@@ -168,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = args.tokenizer
         if tokenizer_dir is None:
-            from engine.demo import train_tokenizer
+            from demo.checkpoint import train_tokenizer
 
             tokenizer_dir = train_tokenizer(Path(tmp) / "bench", "byte_bpe", 8192)
         info = TokenizerInfo.from_file(tokenizer_dir)

@@ -6,7 +6,7 @@ The loop lives in engine/llm_engine.py: `LLMEngine.step()` = schedule -> execute
 from engine.config import CheckpointError, EngineConfig, ModelConfig
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from wire.sampling import SamplingParams
 
 __all__ = ["LLM", "CheckpointError", "CompletionOutput", "EngineConfig", "ModelConfig", "RequestOutput",
            "SamplingParams"]

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.request import AdapterRef, RequestStatus
-from engine.sampling_params import SamplingParams
+from wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

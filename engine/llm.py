@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.request import AdapterRef
-from engine.sampling_params import SamplingParams
+from wire.sampling import SamplingParams
 
 
 class LLM:

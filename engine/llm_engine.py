@@ -14,10 +14,10 @@ from engine.outputs import RequestOutput
 from engine.plan import SampledToken
 from engine.request import AdapterRef, Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
-from engine.tokenizer import Tokenizer
+from tokenization.tokenizer import Tokenizer
+from wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

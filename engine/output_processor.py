@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.plan import SampledToken
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenization.tokenizer import IncrementalDetokenizer, Tokenizer
+from wire.sampling import SamplingParams
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from grammar import GrammarMatcher

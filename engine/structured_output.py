@@ -17,7 +17,6 @@ import torch
 
 from engine.plan import SampleRow
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from grammar import (
     DEFAULT_BACKEND,
     CompiledGrammar,
@@ -28,6 +27,7 @@ from grammar import (
     allocate_bitmask,
     fill_bitmasks,
 )
+from wire.sampling import SamplingParams
 
 
 def spec_for(params: SamplingParams) -> GrammarSpec | None:

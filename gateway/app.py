@@ -19,24 +19,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.tokenizer import Tokenizer
-from gateway.adapter_registry import AdapterRegistry, AdapterUploadConfig
-from gateway.adapter_routes import AdapterApi, UploadBodySizeLimit
-from gateway.admin_routes import routes as admin_routes
-from gateway.admission import PriorityClampAdmission, RequestAdmission, StoreUsageReporter, UsageReporter
-from gateway.admission_telemetry import InstrumentedAdmission
-from gateway.auth import ApiKeyBackend, on_auth_error
-from gateway.dashboard_routes import KeylessPagesBackend
-from gateway.dashboard_routes import routes as dashboard_routes
-from gateway.engine_client import EngineClient
-from gateway.errors import ApiError, error_body
-from gateway.gateway_state import GatewayConfig, GatewayState
-from gateway.middleware import ErrorGuardMiddleware, RequestIdMiddleware
-from gateway.model_resolver import ModelResolver
-from gateway.openai_routes import routes as openai_routes
+from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig
+from gateway.adapters.routes import AdapterApi, UploadBodySizeLimit
+from gateway.admin.dashboard import KeylessPagesBackend
+from gateway.admin.dashboard import routes as dashboard_routes
+from gateway.admin.routes import routes as admin_routes
+from gateway.admission.base import PriorityClampAdmission, RequestAdmission, StoreUsageReporter, UsageReporter
+from gateway.admission.instrumented import InstrumentedAdmission
+from gateway.auth.backend import ApiKeyBackend, on_auth_error
+from gateway.http.errors import ApiError, error_body
+from gateway.http.middleware import ErrorGuardMiddleware, RequestIdMiddleware
+from gateway.observability.telemetry import TELEMETRY_STATE_KEY, Telemetry, TelemetryMiddleware
+from gateway.observability.tracing import TracedAuthBackend
+from gateway.openai.models import ModelResolver
+from gateway.openai.routes import routes as openai_routes
+from gateway.state import GatewayConfig, GatewayState
 from gateway.store import Store
-from gateway.telemetry import TELEMETRY_STATE_KEY, Telemetry, TelemetryMiddleware
-from gateway.tracing import TracedAuthBackend
+from gateway.workers.client import EngineClient
+from tokenization.tokenizer import Tokenizer
 
 
 def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokenizer: Tokenizer, *,

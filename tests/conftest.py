@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.demo import FAMILIES, TinyModelSpec, make_checkpoint, train_tokenizer  # noqa: E402
+from demo.checkpoint import FAMILIES, TinyModelSpec, make_checkpoint, train_tokenizer  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads, and the suite runs one process per core.
 torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """docker-compose.yml parses, and what it asks of loraplex is what the CLI accepts.
 
-Docker is not needed: every gateway and worker `command:` is parsed by `gateway.cli.build_parser()`
+Docker is not needed: every gateway and worker `command:` is parsed by `gateway.cli.main.build_parser()`
 with that service's environment, and every LORAPLEX_* variable must be one the parser (or the worker
 secret) reads. The topology the issue asks for is checked too: redis, two gateways behind one
 published port, two GPU workers with a CPU fallback profile, a collector, Prometheus with a scrape
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.cli import build_parser
-from gateway.supervisor import SECRET_ENV
+from gateway.cli.main import build_parser
+from gateway.workers.supervisor import SECRET_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS_FOR_REQUIRED = {"LORAPLEX_WORKER_SECRET": "compose-test-secret", "LORAPLEX_MODEL_DIR": "/srv/model"}

@@ -8,9 +8,9 @@ from engine import LLM, SamplingParams
 from engine.block_pool import BlockPool
 from engine.radix_cache import RadixCache
 from engine.request import AdapterRef, Request
-from engine.sampling_params import SamplingParams as SP
 from tests.engine.fake_runner import FakeRunner
 from tests.engine.test_scheduler import make_scheduler
+from wire.sampling import SamplingParams as SP
 
 NS = ("salt-a", "")
 

@@ -11,9 +11,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.engine.fake_runner import FakeRunner
+from wire.sampling import SamplingParams
 
 
 def make_scheduler(num_blocks=32, block_size=4, prefix=True, **kw) -> Scheduler:

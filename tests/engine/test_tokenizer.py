@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tokenization.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "hello world 日本語 and 中文字 😀🚀 naïve café 🦀 漢字",  # 🦀 and 漢 are not in the training corpus

@@ -15,13 +15,13 @@ import httpx
 from adapters.archive import ArchiveLimits
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
-from engine.worker_server import WorkerService
-from gateway.adapter_registry import AdapterUploadConfig
+from gateway.adapters.registry import AdapterUploadConfig
 from gateway.app import build_app
-from gateway.engine_client import InProcessEngineClient
-from gateway.gateway_state import GatewayConfig
+from gateway.state import GatewayConfig
 from gateway.store import SqliteStore, Store
+from gateway.workers.client import InProcessEngineClient
 from tests.gateway.conftest import BASE_MODEL, ThreadedServer
+from worker.server import WorkerService
 
 # The gateway's engine and the offline reference LLM run with the same settings.
 ENGINE_ARGS = {"num_kv_blocks": 256, "block_size": 4, "max_num_seqs": 8, "max_loras": 4, "max_lora_rank": 8}

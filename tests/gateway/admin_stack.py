@@ -17,15 +17,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from engine.worker_server import WorkerService, build_worker_app
+from gateway.admission.settings import QuotaSettings, build_quota_admission
 from gateway.app import build_app
-from gateway.engine_client import InProcessEngineClient
-from gateway.gateway_state import GatewayConfig
-from gateway.http_engine_client import HttpEngineClient
-from gateway.quota_settings import QuotaSettings, build_quota_admission
+from gateway.observability.telemetry import Telemetry, TelemetryConfig
+from gateway.state import GatewayConfig
 from gateway.store import SqliteStore, Tenant
-from gateway.telemetry import Telemetry, TelemetryConfig
+from gateway.workers.client import InProcessEngineClient
+from gateway.workers.http_client import HttpEngineClient
 from tests.gateway.conftest import BASE_MODEL, ThreadedServer
+from worker.server import WorkerService, build_worker_app
 
 WORKER_SECRET = "admin-test-secret"
 

@@ -12,12 +12,12 @@ import uvicorn
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from engine.worker_server import WorkerService
 from gateway.app import build_app
-from gateway.engine_client import InProcessEngineClient
-from gateway.gateway_state import GatewayConfig
+from gateway.state import GatewayConfig
 from gateway.store import SqliteStore, Store, open_store
+from gateway.workers.client import InProcessEngineClient
 from tests.conftest import free_port
+from worker.server import WorkerService
 
 BASE_MODEL = "tiny-llama"
 

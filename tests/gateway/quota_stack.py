@@ -83,7 +83,7 @@ def start_redis(data_dir: Path) -> tuple[Process, str]:
 def start_null_worker(token_delay_ms: float = 0.0) -> tuple[Process, str]:
     """Starts a null worker; call wait_null_worker() before use (lets several start in parallel)."""
     port = free_port()
-    proc = Process([sys.executable, "-m", "gateway.testing.null_worker", "--port", str(port),
+    proc = Process([sys.executable, "-m", "demo.null_worker", "--port", str(port),
                     "--token-delay-ms", str(token_delay_ms), "--model-name", MODEL_NAME],
                    env={"LORAPLEX_WORKER_SECRET": SECRET})
     return proc, f"http://127.0.0.1:{port}"
@@ -113,7 +113,7 @@ def start_gateway(model_dir: Path, data_dir: Path, worker_url: str, *extra: str,
                   env: dict[str, str] | None = None) -> GatewayProcess:
     """`loraplex serve --worker-url ...` (call .wait() before use)."""
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--served-model-name",
+    argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", str(model_dir), "--served-model-name",
             MODEL_NAME, "--worker-url", worker_url, "--port", str(port), "--data-dir", str(data_dir), *extra]
     process = Process(argv, env={"LORAPLEX_WORKER_SECRET": SECRET, **(env or {})})
     return GatewayProcess(process, f"http://127.0.0.1:{port}")
@@ -130,7 +130,7 @@ class InProcessGateway:
 
     url: str
     store: object  # gateway.store.Store
-    admission: object  # gateway.quota_admission.QuotaAdmission
+    admission: object  # gateway.admission.quota.QuotaAdmission
     server: object  # tests.gateway.conftest.ThreadedServer
 
     def new_tenant(self, name: str, policy: dict) -> str:
@@ -143,12 +143,12 @@ class InProcessGateway:
 
 
 def in_process_gateway(model_dir: Path, data_dir: Path, worker_url: str, admission) -> InProcessGateway:
-    from engine.tokenizer import Tokenizer
     from gateway.app import build_app
-    from gateway.gateway_state import GatewayConfig
-    from gateway.http_engine_client import HttpEngineClient
+    from gateway.state import GatewayConfig
     from gateway.store import SqliteStore
+    from gateway.workers.http_client import HttpEngineClient
     from tests.gateway.conftest import ThreadedServer
+    from tokenization.tokenizer import Tokenizer
 
     store = SqliteStore(data_dir / "store.db")
     config = GatewayConfig(served_model_name=MODEL_NAME, adapter_root=data_dir / "adapters")

@@ -36,7 +36,7 @@ def start_worker(model_dir: Path, redis_url: str) -> WorkerProcess:
     """A real engine worker that heartbeats its URL into Redis (wait for it with wait_worker)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "gateway.cli", "worker", "--model", str(model_dir), "--served-model-name",
+    argv = [sys.executable, "-m", "gateway.cli.main", "worker", "--model", str(model_dir), "--served-model-name",
             MODEL_NAME, "--port", str(port), "--kv-cache-memory-gb", "0.05", "--max-num-seqs", "8",
             "--register-redis-url", redis_url, "--advertise-url", url]
     return WorkerProcess(Process(argv, env={"LORAPLEX_WORKER_SECRET": SECRET}), url)
@@ -49,7 +49,7 @@ def wait_worker(worker: WorkerProcess) -> None:
 def start_gateway(model_dir: Path, data_dir: Path, redis_url: str, routing: str) -> GatewayProcess:
     """`loraplex serve --discover-workers` over Redis (call .wait() before use)."""
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--served-model-name",
+    argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", str(model_dir), "--served-model-name",
             MODEL_NAME, "--port", str(port), "--data-dir", str(data_dir), "--redis-url", redis_url,
             "--discover-workers", "--routing", routing, "--queue-capacity", "16"]
     return GatewayProcess(Process(argv, env={"LORAPLEX_WORKER_SECRET": SECRET}), f"http://127.0.0.1:{port}")

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from gateway.cli import main as loraplex
+from gateway.cli.main import main as loraplex
 from tests.engine.lora_peft import load_hf_base, make_peft_adapter, random_prompts
 from tests.gateway.adapter_server import ENGINE_ARGS, LORA_ARGS, adapter_files, running_adapter_server, tar_gz
 

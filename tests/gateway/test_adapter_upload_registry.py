@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from engine.config import ModelConfig
-from gateway.adapter_registry import AdapterRegistry, AdapterUploadConfig, TenantAdapterLimits
-from gateway.errors import ApiError
+from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig, TenantAdapterLimits
+from gateway.http.errors import ApiError
 from gateway.store import NotFoundError, SqliteStore
 from tests.engine.lora_peft import load_hf_base, make_peft_adapter
 from tests.gateway.adapter_server import LORA_ARGS, adapter_files, tar_gz

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from gateway.adapters_cli import MultipartBody
+from gateway.cli.adapters import MultipartBody
 from tests.engine.lora_peft import load_hf_base, make_peft_adapter
 from tests.gateway.adapter_server import (
     LORA_ARGS,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from gateway.adapters_cli import (
+from gateway.cli.adapters import (
     EXIT_AUTH,
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -22,7 +22,7 @@ from gateway.adapters_cli import (
     api_base,
     run_adapters,
 )
-from gateway.cli import build_parser
+from gateway.cli.main import build_parser
 from tests.conftest import free_port
 from tests.engine.lora_peft import load_hf_base, make_peft_adapter
 from tests.gateway.adapter_server import LORA_ARGS, adapter_files, running_adapter_server, tar_gz

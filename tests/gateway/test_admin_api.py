@@ -9,8 +9,8 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from gateway.admin_routes import routes as admin_routes
-from gateway.dashboard_routes import routes as dashboard_routes
+from gateway.admin.dashboard import routes as dashboard_routes
+from gateway.admin.routes import routes as admin_routes
 from tests.gateway.admin_stack import AdminStack, start_admin_stack
 from tests.gateway.conftest import wait_until
 

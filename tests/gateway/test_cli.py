@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser, main
+from gateway.cli.main import build_parser, main
 from gateway.store import open_store
 
 

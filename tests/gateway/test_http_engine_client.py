@@ -1,4 +1,4 @@
-"""The worker's HTTP service (engine/worker_server.py) through the gateway's HttpEngineClient."""
+"""The worker's HTTP service (worker/server.py) through the gateway's HttpEngineClient."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import pytest
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from engine.protocol import WORKER_SECRET_HEADER, AdapterSpec, GenerateRequest
-from engine.worker_server import WorkerService, build_worker_app
-from gateway.engine_client import (
+from gateway.workers.client import (
     AdapterUnavailableError,
     WorkerRequestError,
     WorkerUnavailableError,
 )
-from gateway.http_engine_client import HttpEngineClient
+from gateway.workers.http_client import HttpEngineClient
 from tests.conftest import free_port
 from tests.gateway.conftest import ThreadedServer, wait_until
+from wire.protocol import WORKER_SECRET_HEADER, AdapterSpec, GenerateRequest
+from worker.server import WorkerService, build_worker_app
 
 SECRET = "s3cret-for-tests"
 

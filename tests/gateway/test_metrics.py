@@ -7,8 +7,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import OTHER_TENANTS, GatewayMetrics, ScrapeInputs, TenantLabeler
-from gateway.telemetry import TelemetryConfig
+from gateway.observability.metrics import OTHER_TENANTS, GatewayMetrics, ScrapeInputs, TenantLabeler
+from gateway.observability.telemetry import TelemetryConfig
 from tests.gateway.admin_stack import start_admin_stack
 from tests.gateway.conftest import BASE_MODEL
 

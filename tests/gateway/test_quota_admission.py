@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from gateway.quota_admission import TenantPolicies
-from gateway.quota_settings import QuotaSettings, build_quota_admission
+from gateway.admission.quota import TenantPolicies
+from gateway.admission.settings import QuotaSettings, build_quota_admission
 from gateway.store import Tenant
 from policies import TenantPolicy
 from tests.gateway.quota_stack import completion_body, in_process_gateway, start_null_worker, wait_null_worker
@@ -151,7 +151,7 @@ def test_an_invalid_stored_policy_falls_back_to_the_defaults(caplog):
     policies = TenantPolicies()
     tenant = Tenant(id="ten_x", name="x", created_at=0.0, suspended=False,
                     policy={"requests_per_minute": -5}, cache_salt="s", shared=False)
-    with caplog.at_level(logging.ERROR, logger="gateway.quota_admission"):
+    with caplog.at_level(logging.ERROR, logger="gateway.admission.quota"):
         assert policies.policy_for(tenant) == TenantPolicy()
         assert policies.policy_for(tenant) == TenantPolicy()
     assert len([r for r in caplog.records if "invalid policy" in r.message]) == 1  # once per policy

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from gateway.quota_settings import QuotaSettings, build_quota_admission
+from gateway.admission.settings import QuotaSettings, build_quota_admission
 from tests.gateway.quota_stack import completion_body, in_process_gateway, start_null_worker, wait_null_worker
 
 pytestmark = pytest.mark.slow

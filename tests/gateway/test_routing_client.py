@@ -6,16 +6,16 @@ import asyncio
 
 import pytest
 
-from engine.protocol import GenerateRequest
-from engine.worker_server import WorkerService
-from gateway.engine_client import InProcessEngineClient, WorkerUnavailableError
-from gateway.http_engine_client import HttpEngineClient
-from gateway.metrics import GatewayMetrics
-from gateway.router import RoutingEngineClient
-from gateway.routing_policy import RoutingConfig
-from gateway.testing.null_worker import NullEngineConfig, NullLLM
-from gateway.worker_registry import RegistryConfig, WorkerRegistry
+from demo.null_worker import NullEngineConfig, NullLLM
+from gateway.observability.metrics import GatewayMetrics
+from gateway.workers.client import InProcessEngineClient, WorkerUnavailableError
+from gateway.workers.http_client import HttpEngineClient
+from gateway.workers.registry import RegistryConfig, WorkerRegistry
+from gateway.workers.router import RoutingEngineClient
+from gateway.workers.routing_policy import RoutingConfig
 from tests.conftest import free_port
+from wire.protocol import GenerateRequest
+from worker.server import WorkerService
 
 
 def make_request(i: int, prompt: list[int], max_tokens: int = 3, salt: str = "tenant-a") -> GenerateRequest:

@@ -8,20 +8,20 @@ import json
 import pytest
 import redis
 
-from engine.protocol import WorkerState
-from engine.worker_server import WorkerService
-from gateway.cli import CommandError, build_parser
-from gateway.engine_client import InProcessEngineClient
-from gateway.serve import external_worker_client, registration_heartbeat
-from gateway.testing.null_worker import NullLLM
-from gateway.worker_heartbeat import (
+from demo.null_worker import NullLLM
+from gateway.cli.main import CommandError, build_parser
+from gateway.cli.serve import external_worker_client, registration_heartbeat
+from gateway.workers.client import InProcessEngineClient
+from gateway.workers.heartbeat import (
     HeartbeatConfig,
     RedisWorkerDirectory,
     WorkerHeartbeat,
     members_key,
     worker_key,
 )
-from gateway.worker_registry import RegistryConfig, WorkerRegistry
+from gateway.workers.registry import RegistryConfig, WorkerRegistry
+from wire.protocol import WorkerState
+from worker.server import WorkerService
 
 PREFIX = "test:workers"
 

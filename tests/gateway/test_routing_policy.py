@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing_policy import RouteRequest, RoutingConfig, RoutingPolicy, WorkerView
+from gateway.workers.routing_policy import RouteRequest, RoutingConfig, RoutingPolicy, WorkerView
 
 ADAPTER = "a" * 64
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.prefix_index import PrefixIndex, PrefixIndexConfig, page_hashes
+from gateway.workers.prefix_index import PrefixIndex, PrefixIndexConfig, page_hashes
 
 
 class Clock:

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 
 class ServeProcess(Process):
-    """`python -m gateway.cli serve` with no model (demo model and tenant) on a free port."""
+    """`python -m gateway.cli.main serve` with no model (demo model and tenant) on a free port."""
 
     def __init__(self, data_dir: Path) -> None:
         self.port = free_port()
-        super().__init__([sys.executable, "-m", "gateway.cli", "serve", "--kv-cache-memory-gb", "0.05"],
+        super().__init__([sys.executable, "-m", "gateway.cli.main", "serve", "--kv-cache-memory-gb", "0.05"],
                          env={"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_PORT": str(self.port)})
 
     @property

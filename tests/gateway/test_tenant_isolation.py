@@ -82,7 +82,7 @@ def test_revoked_and_expired_keys_get_401_and_suspended_403(gateway_stack):
 
 
 def test_priority_is_clamped_to_the_tenants_range(gateway_stack):
-    from gateway.admission import AdmissionRequest, PriorityClampAdmission
+    from gateway.admission.base import AdmissionRequest, PriorityClampAdmission
 
     store = gateway_stack.store
     tenant = store.create_tenant("prio", policy={"min_priority": 3, "max_priority": 6, "default_priority": 4})

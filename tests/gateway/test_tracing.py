@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from gateway.tracing import build_tracer_provider, otlp_traces_url, parent_from_traceparent, traceparent_of
+from gateway.observability.tracing import (
+    build_tracer_provider,
+    otlp_traces_url,
+    parent_from_traceparent,
+    traceparent_of,
+)
 from tests.gateway.admin_stack import start_admin_stack
 from tests.gateway.conftest import wait_until
 

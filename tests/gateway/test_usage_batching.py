@@ -6,9 +6,9 @@ import asyncio
 import time
 from dataclasses import replace
 
-from gateway.admission import FinalUsage
+from gateway.admission.base import FinalUsage
+from gateway.admission.usage import BatchedUsageReporter
 from gateway.store import SqliteStore, UsageTotals
-from gateway.usage_batching import BatchedUsageReporter
 
 HOUR_10 = 1_750_000_000.0 - 1_750_000_000.0 % 3600 + 36_000  # some 10:00 UTC
 

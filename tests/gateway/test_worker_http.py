@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.worker_http import PoolConfig, WorkerConnectError, WorkerHttpPool, WorkerProtocolError
+from gateway.workers.http_pool import PoolConfig, WorkerConnectError, WorkerHttpPool, WorkerProtocolError
 from tests.conftest import free_port
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.demo import synthetic_corpus
+from demo.checkpoint import synthetic_corpus
 from grammar import GrammarError, TokenizerInfo
 from grammar.tokenizer_info import gpt2_unicode_to_byte
 

@@ -1,0 +1,1 @@
+"""Tenant adapters over HTTP: upload (streamed), registry of versions, list, show, delete."""

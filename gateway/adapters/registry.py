@@ -1,0 +1,187 @@
+"""Tenant adapters: validate an uploaded archive, store it by content, record it as a new version, delete.
+
+    registry.ingest(tenant, name, description, archive, work_dir) -> AdapterRecord
+    registry.delete(tenant, name)                                  -> deleted AdapterRecords
+
+An upload is unpacked and validated (the engine loader's own checks: safetensors only, shapes and target
+modules against the served model, rank <= the workers' max_lora_rank, finite values) inside a work
+directory under the adapter root, then checked against the tenant's limits, then copied into the
+content-addressed storage (temp dir + rename) and recorded in the store. Any failure leaves neither a
+file nor a record; the caller removes the work directory.
+
+Per-tenant limits come from the tenant policy keys `max_adapters` (live versions) and
+`max_adapter_bytes` (their stored bytes), else from `AdapterUploadConfig`'s defaults.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adapters.adapter_files import REQUIRED_ADAPTER_FILES
+from adapters.archive import ArchiveLimits, unpack_adapter_archive
+from adapters.errors import AdapterError
+from adapters.peft_format import validate_peft_adapter
+from adapters.storage import AdapterStorage
+from gateway.http.errors import ApiError
+from gateway.store import AdapterRecord, Store, Tenant
+from wire.checkpoint import ModelConfig
+
+DEFAULT_MAX_UPLOAD_BYTES = 2 << 30  # one uploaded archive
+DEFAULT_MAX_ADAPTERS = 100  # live versions per tenant
+DEFAULT_MAX_ADAPTER_BYTES = 20 << 30  # stored bytes of a tenant's live versions
+UPLOAD_WORK_PREFIX = ".tmp-upload-"  # AdapterStorage erases stale `.tmp-*` entries of crashed gateways
+
+
+@dataclass(frozen=True)
+class AdapterUploadConfig:
+    """What uploads are validated against. `model_config` and `max_lora_rank` must be the workers'."""
+
+    model_config: ModelConfig
+    max_lora_rank: int
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    archive_limits: ArchiveLimits = field(default_factory=ArchiveLimits)
+    default_max_adapters: int = DEFAULT_MAX_ADAPTERS
+    default_max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
+    accepted_base_models: tuple[str, ...] | None = None  # None: shapes decide, as in the engine's loader
+
+    def __post_init__(self) -> None:
+        for name in ("max_lora_rank", "max_upload_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("default_max_adapters", "default_max_adapter_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TenantAdapterLimits:
+    max_adapters: int
+    max_adapter_bytes: int
+
+    @classmethod
+    def for_tenant(cls, policy: Mapping[str, Any], config: AdapterUploadConfig) -> TenantAdapterLimits:
+        """The tenant policy's `max_adapters` / `max_adapter_bytes` when set, else the gateway's defaults."""
+        return cls(_policy_int(policy, "max_adapters", config.default_max_adapters),
+                   _policy_int(policy, "max_adapter_bytes", config.default_max_adapter_bytes))
+
+
+def _policy_int(policy: Mapping[str, Any], key: str, default: int) -> int:
+    value = policy.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ApiError(500, f"The tenant policy's {key} must be a non-negative integer; ask the operator to fix it.",
+                       code="invalid_tenant_policy")
+    return value
+
+
+def invalid_adapter(problem: str) -> ApiError:
+    return ApiError(400, f"Adapter rejected: {problem}", param="file", code="invalid_adapter")
+
+
+def adapter_quota_exceeded(message: str) -> ApiError:
+    return ApiError(403, message, code="adapter_quota_exceeded", error_type="insufficient_quota")
+
+
+class AdapterRegistry:
+    """The tenant-facing side of adapters: uploads, deletes, and the files behind the records.
+
+    NOTE: `_commit_lock` serialises the quota check, the storage write, the record and the removal of
+    unreferenced files, so two uploads of one tenant cannot both squeeze under a limit and a delete never
+    removes a file a concurrent upload is about to reference. It covers one gateway process; replicas
+    sharing a store can overshoot a limit by the uploads they commit at the same moment.
+    """
+
+    def __init__(self, store: Store, adapter_root: Path, config: AdapterUploadConfig | None) -> None:
+        self.store = store
+        self.config = config  # None: this gateway lists and deletes adapters but takes no uploads
+        self.storage = AdapterStorage(adapter_root)
+        self._commit_lock = threading.Lock()
+
+    @property
+    def accepts_uploads(self) -> bool:
+        return self.config is not None
+
+    def upload_config(self) -> AdapterUploadConfig:
+        if self.config is None:
+            raise ApiError(501, "This gateway takes no adapter uploads: it was started without the served "
+                                "model's configuration.", code="uploads_disabled")
+        return self.config
+
+    def limits(self, tenant: Tenant) -> TenantAdapterLimits:
+        return TenantAdapterLimits.for_tenant(tenant.policy, self.upload_config())
+
+    def check_room(self, tenant: Tenant) -> None:
+        """Refuse early (before any byte is read) when the tenant already holds its maximum count."""
+        limits = self.limits(tenant)
+        totals = self.store.adapter_totals(tenant.id)
+        if totals.count >= limits.max_adapters:
+            raise adapter_quota_exceeded(
+                f"Tenant '{tenant.name}' already has {totals.count} adapter versions, its limit is "
+                f"{limits.max_adapters}; delete one first.")
+
+    def new_work_dir(self) -> Path:
+        """A fresh directory for one upload, next to the storage (same filesystem, cleaned if abandoned)."""
+        return Path(tempfile.mkdtemp(prefix=UPLOAD_WORK_PREFIX, dir=self.storage.root))
+
+    def ingest(self, tenant: Tenant, name: str, description: str, archive: Path, work_dir: Path) -> AdapterRecord:
+        """Unpack, validate, check limits, store and record one uploaded archive (blocking; run off the
+        event loop). Raises ApiError (400 invalid_adapter, 403 adapter_quota_exceeded); leaves nothing
+        behind but what is inside `work_dir`."""
+        config = self.upload_config()
+        try:
+            unpacked = unpack_adapter_archive(archive, work_dir / "adapter", config.archive_limits)
+            manifest = validate_peft_adapter(unpacked, config.model_config, name=name,
+                                             max_lora_rank=config.max_lora_rank,
+                                             accepted_base_models=config.accepted_base_models)
+        except AdapterError as e:
+            raise invalid_adapter(str(e)) from None
+        stored_bytes = sum((unpacked / f).stat().st_size for f in REQUIRED_ADAPTER_FILES)  # what storage keeps
+        with self._commit_lock:
+            self._check_limits(tenant, stored_bytes)
+            existed = self.storage.exists(manifest.sha256)
+            try:
+                self.storage.put(unpacked, expected_sha256=manifest.sha256)
+            except AdapterError as e:
+                raise invalid_adapter(str(e)) from None
+            try:
+                return self.store.add_adapter_version(
+                    tenant.id, name, manifest.sha256, rank=manifest.rank, target_modules=manifest.target_modules,
+                    size_bytes=stored_bytes, description=description)
+            except BaseException:
+                if not existed and not self.store.is_sha_referenced(manifest.sha256):
+                    self.storage.delete(manifest.sha256)
+                raise
+
+    def delete(self, tenant: Tenant, name: str) -> list[AdapterRecord]:
+        """Soft-delete every live version of the tenant's `name` (new requests for it get 404 at once;
+        requests already running finish on the worker's loaded copy) and erase files no live record
+        references. Returns the versions deleted; empty when there were none."""
+        with self._commit_lock:
+            live = [r for r in self.store.list_adapters(tenant.id, include_shared=False)
+                    if r.name == name and r.deleted_at is None]
+            if not live:
+                return []
+            self.store.delete_adapter(tenant.id, name)
+            for sha in {r.sha256 for r in live}:
+                if not self.store.is_sha_referenced(sha):
+                    self.storage.delete(sha)
+        return live
+
+    def _check_limits(self, tenant: Tenant, new_bytes: int) -> None:
+        limits = self.limits(tenant)
+        totals = self.store.adapter_totals(tenant.id)
+        if totals.count + 1 > limits.max_adapters:
+            raise adapter_quota_exceeded(
+                f"Tenant '{tenant.name}' already has {totals.count} adapter versions, its limit is "
+                f"{limits.max_adapters}; delete one first.")
+        if totals.size_bytes + new_bytes > limits.max_adapter_bytes:
+            raise adapter_quota_exceeded(
+                f"This adapter ({new_bytes} bytes) would bring tenant '{tenant.name}' to "
+                f"{totals.size_bytes + new_bytes} bytes of adapters, over its limit of "
+                f"{limits.max_adapter_bytes} bytes.")

@@ -1,0 +1,1 @@
+"""The operator side: admin API, JSON views, the dashboard page and its static files."""

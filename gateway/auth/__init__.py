@@ -1,0 +1,1 @@
+"""API-key authentication: the Starlette backend and its short-lived lookup cache."""

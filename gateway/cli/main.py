@@ -1,0 +1,187 @@
+"""The `loraplex` command: serve, worker, tenants, keys, adapters.
+
+Flags shared by every subcommand come from one parent parser and each can also be set with a
+LORAPLEX_* environment variable (the flag wins): --model (LORAPLEX_MODEL), --served-model-name
+(LORAPLEX_SERVED_MODEL_NAME), --host (LORAPLEX_HOST), --port (LORAPLEX_PORT), --data-dir
+(LORAPLEX_DATA_DIR), --redis-url (LORAPLEX_REDIS_URL). Operator commands open the same store the
+gateway uses: Redis when --redis-url is set, else <data-dir>/store.db.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from gateway.cli.adapters import add_adapters_parser
+
+DEFAULT_DATA_DIR = Path.home() / ".loraplex"
+DEFAULT_GATEWAY_PORT = 8000
+DEFAULT_WORKER_PORT = 8001
+
+
+def common_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The flags every subcommand shares (defaults from the environment)."""
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("shared options (also LORAPLEX_* environment variables)")
+    group.add_argument("--model", default=env.get("LORAPLEX_MODEL"),
+                       help="HF-format model directory (serve without it builds a small demo model)")
+    group.add_argument("--served-model-name", default=env.get("LORAPLEX_SERVED_MODEL_NAME"),
+                       help="the base model's name in the API (default: the model directory's name)")
+    group.add_argument("--host", default=env.get("LORAPLEX_HOST", "127.0.0.1"), help="address to listen on")
+    group.add_argument("--port", type=int, default=_int_env(env, "LORAPLEX_PORT"),
+                       help=f"port to listen on (serve: {DEFAULT_GATEWAY_PORT}, worker: {DEFAULT_WORKER_PORT})")
+    group.add_argument("--data-dir", type=Path, default=Path(env.get("LORAPLEX_DATA_DIR", DEFAULT_DATA_DIR)),
+                       help="store, adapters and the demo model live here")
+    group.add_argument("--redis-url", default=env.get("LORAPLEX_REDIS_URL"),
+                       help="use Redis (shared by gateway replicas) instead of <data-dir>/store.db")
+    group.add_argument("--otlp-endpoint", default=env.get("LORAPLEX_OTLP_ENDPOINT") or None,
+                       help="export OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://host:4318)")
+    return common
+
+
+def engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--dtype", default="auto")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-loras", type=int, default=8)
+    group.add_argument("--max-lora-rank", type=int, default=64)
+
+
+def quota_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Quotas and the fair queue of `serve` (docs/gateway.md, "Quotas and priorities")."""
+    group = parser.add_argument_group("quota and queue options")
+    group.add_argument("--quota-fail-mode", choices=("open", "closed"),
+                       default=env.get("LORAPLEX_QUOTA_FAIL_MODE", "closed"),
+                       help="with --redis-url, while Redis is unreachable: closed answers 503 (default), open "
+                            "enforces limits per replica (also LORAPLEX_QUOTA_FAIL_MODE)")
+    group.add_argument("--quota-lease-ttl", type=float, default=30.0,
+                       help="seconds until a dead gateway's concurrency leases expire (default 30)")
+    group.add_argument("--queue-capacity", type=int, default=None,
+                       help="requests sent to the worker at once (default: --max-num-seqs)")
+    group.add_argument("--queue-timeout", type=float, default=30.0,
+                       help="seconds a request may wait in the gateway queue before 503 (default 30)")
+    group.add_argument("--worker-url", action="append", default=None,
+                       help="use this running worker (secret in LORAPLEX_WORKER_SECRET) instead of starting one; "
+                            "repeat it to route across several (docs/scaling.md)")
+
+
+def routing_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Several workers behind one gateway (docs/scaling.md)."""
+    group = parser.add_argument_group("routing options (several workers)")
+    group.add_argument("--routing", choices=("cache_aware", "round_robin", "least_loaded"),
+                       default=env.get("LORAPLEX_ROUTING", "cache_aware"),
+                       help="how requests are spread over workers (default cache_aware; also LORAPLEX_ROUTING)")
+    group.add_argument("--discover-workers", action="store_true",
+                       default=_bool_env(env, "LORAPLEX_DISCOVER_WORKERS"),
+                       help="route to the workers that heartbeat in --redis-url (also LORAPLEX_DISCOVER_WORKERS=1)")
+
+
+def registration_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """A worker announcing itself to the gateways through Redis heartbeats."""
+    group = parser.add_argument_group("registration options")
+    group.add_argument("--register-redis-url", default=env.get("LORAPLEX_REGISTER_REDIS_URL") or None,
+                       help="heartbeat this worker's URL and state into this Redis (also LORAPLEX_REGISTER_REDIS_URL)")
+    group.add_argument("--advertise-url", default=env.get("LORAPLEX_ADVERTISE_URL") or None,
+                       help="the URL gateways use to reach this worker, e.g. http://worker-1:8001 "
+                            "(also LORAPLEX_ADVERTISE_URL)")
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    common = common_parser(env)
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant multi-LoRA LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", parents=[common], help="gateway plus one supervised local engine worker")
+    engine_options(serve)
+    serve.add_argument("--worker-port", type=int, default=None, help="loopback port of the worker (default: free)")
+    serve.add_argument("--access-log", action="store_true", default=_bool_env(env, "LORAPLEX_ACCESS_LOG"),
+                       help="log one line per HTTP request (off by default: it costs the gateway CPU on every "
+                            "request; also LORAPLEX_ACCESS_LOG=1)")
+    quota_options(serve, env)
+    routing_options(serve, env)
+    serve.set_defaults(handler="gateway.cli.serve:run_serve")
+
+    worker = sub.add_parser("worker", parents=[common],
+                            help="an engine worker as an internal HTTP service (secret in LORAPLEX_WORKER_SECRET)")
+    engine_options(worker)
+    registration_options(worker, env)
+    worker.set_defaults(handler="gateway.cli.serve:run_worker_command")
+
+    tenants = sub.add_parser("tenants", help="create, list and show tenants")
+    tsub = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = tsub.add_parser("create", parents=[common], help="create a tenant")
+    create.add_argument("name")
+    create.add_argument("--shared", action="store_true", help="its adapters are visible to every tenant")
+    create.add_argument("--policy", default=None, help="tenant policy as a JSON object")
+    tsub.add_parser("list", parents=[common], help="list tenants")
+    show = tsub.add_parser("show", parents=[common], help="a tenant, its keys and today's usage")
+    show.add_argument("tenant", help="tenant name or id")
+    tenants.set_defaults(handler="gateway.cli.operator:run_tenants")
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    kcreate = ksub.add_parser("create", parents=[common],
+                              help="create a key; the key alone is printed on the last line")
+    target = kcreate.add_mutually_exclusive_group(required=True)
+    target.add_argument("--tenant", help="tenant name or id")
+    target.add_argument("--admin", action="store_true",
+                        help="an operator key (scope admin) of the 'operators' tenant, created if needed")
+    kcreate.add_argument("--name", default="", help="a label for the key")
+    kcreate.add_argument("--expires-in", default=None, help="lifetime such as 3600, 90m, 12h or 30d")
+    klist = ksub.add_parser("list", parents=[common], help="list keys (never their plaintext)")
+    klist.add_argument("--tenant", default=None, help="only this tenant's keys")
+    krevoke = ksub.add_parser("revoke", parents=[common], help="revoke a key for good")
+    krevoke.add_argument("key_id")
+    keys.set_defaults(handler="gateway.cli.operator:run_keys")
+    add_adapters_parser(sub, env)  # tenants: loraplex adapters upload|list|show|delete
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = args.handler.split(":")
+    # NOTE: imported lazily so `loraplex keys ...` does not load torch, and a worker not the gateway.
+    module = __import__(module_name, fromlist=[func_name])
+    try:
+        return int(getattr(module, func_name)(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except CommandError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        return 2
+
+
+class CommandError(Exception):
+    """A problem the operator can fix; printed without a traceback."""
+
+
+def _bool_env(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise SystemExit(f"loraplex: error: {name} must be 1/true/yes or 0/false/no, got {value!r}")
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"loraplex: error: {name} must be an integer port, got {value!r}") from None
+
+
+if __name__ == "__main__":
+    # Run through the package module so that its classes (CommandError) are the ones handlers raise.
+    from gateway.cli.main import main as package_main
+
+    sys.exit(package_main())

@@ -1,0 +1,1 @@
+"""HTTP plumbing of the gateway: OpenAI-shaped errors and pure ASGI middleware."""

@@ -1,0 +1,1 @@
+"""Metrics, traces and the dashboard's activity window of one gateway app."""

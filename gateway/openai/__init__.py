@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: bodies, model resolution, prompts, generation, response formatting."""

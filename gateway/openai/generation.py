@@ -1,0 +1,182 @@
+"""Runs one admitted generation and answers it: a JSON body, or SSE chunks ending in `data: [DONE]`.
+
+The answer is an ASGI response that watches for the client going away the whole time (while queued,
+while waiting for the first token, mid-stream); then it closes the engine stream, which aborts the
+request in the worker. Whatever happens, admission is released and usage reported exactly once.
+Errors before the first byte are proper statuses; after it, one `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage, RequestAdmission, UsageReporter
+from gateway.http.errors import ApiError, service_unavailable
+from gateway.observability.request_observer import RequestObserver
+from gateway.openai.format import Accumulator, Formatter
+from gateway.workers.client import (
+    AdapterUnavailableError,
+    EngineClient,
+    EngineClientError,
+    WorkerFailedError,
+    WorkerRequestError,
+    WorkerUnavailableError,
+)
+from wire.protocol import GenerateDelta, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    admission_request: AdmissionRequest
+    admitted: Admitted
+    engine_request: GenerateRequest
+    formatter: Formatter
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def api_error_for(error: EngineClientError) -> ApiError:
+    if isinstance(error, WorkerRequestError):
+        return ApiError(400, str(error), code="invalid_request")
+    if isinstance(error, AdapterUnavailableError):
+        return ApiError(503, str(error), code="adapter_unavailable")
+    if isinstance(error, WorkerUnavailableError):
+        return service_unavailable(f"No engine worker is available right now ({error}). Retry shortly.")
+    return ApiError(500, f"The engine worker failed while generating: {error}", code="engine_error")
+
+
+class GenerationResponse(Response):
+    def __init__(self, generation: Generation, engine: EngineClient, admission: RequestAdmission,
+                 usage: UsageReporter) -> None:
+        super().__init__(content=None)
+        self.generation = generation
+        self.engine = engine
+        self.admission = admission
+        self.usage_reporter = usage
+        self.accumulator = Accumulator(generation.n)
+        self.outcome = "error"
+        self.final_usage = FinalUsage(0, 0, 0, "error")  # set by _finish
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        observer = RequestObserver.attach(scope, self.generation.admission_request, self.generation.engine_request)
+        if observer is None:
+            deltas = self.engine.generate(self.generation.engine_request)
+        else:  # the worker gets the worker-call span's traceparent; deltas are timed on the way
+            deltas = observer.watch(self.engine.generate(observer.engine_request))
+        try:
+            async with anyio.create_task_group() as tg:
+                async def answer() -> None:
+                    try:
+                        await self._answer(deltas, send)
+                    except OSError:  # the client went away while we were writing
+                        self.outcome = "disconnected"
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    self.outcome = "disconnected"
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(answer)
+                tg.start_soon(watch)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish(deltas)
+                if observer is not None:
+                    observer.finish(self.final_usage)
+
+    async def _answer(self, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
+        try:
+            first = await _next_delta(deltas)
+        except EngineClientError as e:
+            await _send_json(send, api_error_for(e).status, api_error_for(e).body(), api_error_for(e).headers)
+            return
+        if self.generation.stream:
+            await self._stream(first, deltas, send)
+        else:
+            await self._collect(first, deltas, send)
+
+    async def _collect(self, first: GenerateDelta | None, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
+        try:
+            delta = first
+            while delta is not None:
+                self.accumulator.add(delta)
+                delta = None if delta.finished else await _next_delta(deltas)
+        except EngineClientError as e:
+            error = api_error_for(e)
+            await _send_json(send, error.status, error.body(), error.headers)
+            return
+        self.outcome = "ok"
+        body = self.generation.formatter.response(self.accumulator)
+        await _send_json(send, 200, body, self.generation.admitted.headers)
+
+    async def _stream(self, first: GenerateDelta | None, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        headers += [(k.encode(), v.encode()) for k, v in self.generation.admitted.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        formatter, include_usage = self.generation.formatter, self.generation.include_usage
+        try:
+            delta = first
+            while delta is not None:
+                self.accumulator.add(delta)
+                chunk = formatter.chunk(delta, self.accumulator, include_usage)
+                if chunk is not None:
+                    await _send_event(send, chunk)
+                delta = None if delta.finished else await _next_delta(deltas)
+        except EngineClientError as e:
+            await _send_event(send, api_error_for(e).body())
+        else:
+            self.outcome = "ok"
+            if include_usage:
+                await _send_event(send, formatter.usage_chunk(self.accumulator))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _finish(self, deltas: AsyncIterator[GenerateDelta]) -> None:
+        try:
+            await deltas.aclose()  # type: ignore[attr-defined]
+        except Exception:
+            log.exception("closing the engine stream failed")
+        acc = self.accumulator
+        usage = self.final_usage = FinalUsage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens,
+                                              self.outcome)
+        try:
+            await self.admission.release(self.generation.admission_request, self.generation.admitted, usage)
+        except Exception:
+            log.exception("admission release failed")
+        await self.usage_reporter.report(self.generation.admission_request.tenant, usage)
+
+
+async def _next_delta(deltas: AsyncIterator[GenerateDelta]) -> GenerateDelta:
+    """The next delta; a failed request or a stream that ends unfinished is WorkerFailedError."""
+    try:
+        delta = await anext(deltas)
+    except StopAsyncIteration:
+        raise WorkerFailedError("the engine stream ended before the request finished") from None
+    if delta.error is not None:
+        raise WorkerFailedError(delta.error)
+    return delta
+
+
+async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str]) -> None:
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": raw})
+
+
+async def _send_event(send: Send, payload: dict) -> None:
+    data = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": data, "more_body": True})

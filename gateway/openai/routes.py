@@ -1,0 +1,163 @@
+"""The OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
+
+Each handler: scope check → body validation → model resolution → prompt tokens and sampling fields →
+admission (the policies seam) → a GenerationResponse that streams or collects the engine's deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage
+from gateway.auth.backend import TENANT_SCOPE, TenantUser, require_scope
+from gateway.http.errors import invalid_request, model_not_found
+from gateway.openai.format import ChatFormatter, CompletionFormatter, Formatter
+from gateway.openai.generation import Generation, GenerationResponse
+from gateway.openai.models import ResolvedModel
+from gateway.openai.prompt import chat_prompt_ids, completion_prompt_ids, sampling_fields
+from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.state import GatewayState
+from gateway.store import Tenant
+from wire.protocol import GenerateRequest
+
+PUBLIC_CACHE_SALT = "public"
+
+
+def cache_namespace(tenant: Tenant) -> str:
+    """The prefix-cache salt for a tenant's requests: its own, unless an operator made it public
+    (policy `share_prefix_cache`, see policies.TenantPolicy)."""
+    return PUBLIC_CACHE_SALT if tenant.policy.get("share_prefix_cache") is True else tenant.cache_salt
+
+
+def gateway_state(request: Request) -> GatewayState:
+    return request.state.gateway
+
+
+async def chat_completions(request: Request) -> Response:
+    user = require_scope(request, TENANT_SCOPE)
+    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    state = gateway_state(request)
+    resolved = await _resolve(state, user, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    prompt_ids = chat_prompt_ids(state.tokenizer, body)
+    max_tokens = body.requested_max_tokens or state.config.default_max_tokens
+    sampling = sampling_fields(body, max_tokens, logprobs)
+    formatter = ChatFormatter(_new_id("chatcmpl"), resolved.served_name, state.token_text, logprobs is not None)
+    return await _start(request, state, user, body, resolved, prompt_ids, sampling, formatter)
+
+
+async def completions(request: Request) -> Response:
+    user = require_scope(request, TENANT_SCOPE)
+    body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+    state = gateway_state(request)
+    resolved = await _resolve(state, user, body.model)
+    if body.echo:
+        raise invalid_request("echo is not supported.", param="echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid_request("best_of other than n is not supported.", param="best_of")
+    if body.suffix:
+        raise invalid_request("suffix is not supported.", param="suffix")
+    prompt_ids = completion_prompt_ids(state.tokenizer, body)
+    max_tokens = body.max_tokens or state.config.default_completion_max_tokens
+    sampling = sampling_fields(body, max_tokens, body.logprobs)
+    formatter = CompletionFormatter(_new_id("cmpl"), resolved.served_name, state.token_text,
+                                    body.logprobs is not None)
+    return await _start(request, state, user, body, resolved, prompt_ids, sampling, formatter)
+
+
+async def _start(request: Request, state: GatewayState, user: TenantUser,
+                 body: ChatCompletionRequest | CompletionRequest, resolved: ResolvedModel, prompt_ids: list[int],
+                 sampling: dict, formatter: Formatter) -> Response:
+    ticket = AdmissionRequest(
+        request_id=formatter.response_id, tenant=user.tenant, model=resolved.served_name,
+        requested_priority=body.priority, prompt_tokens=len(prompt_ids), max_tokens=sampling["max_tokens"],
+        n=body.n,
+    )
+    admitted = await _admit_while_connected(request, state, ticket)  # may raise ApiError (429, 503, 400)
+    if admitted is None:
+        return Response(status_code=499)  # the client left while queued; nobody reads this
+    try:
+        engine_request = GenerateRequest(
+            request_id=formatter.response_id, prompt_token_ids=prompt_ids, sampling=sampling,
+            priority=admitted.priority, adapter=resolved.adapter_spec(state.adapter_root),
+            cache_salt=cache_namespace(user.tenant), traceparent=request.headers.get("traceparent"),
+        )
+        generation = Generation(ticket, admitted, engine_request, formatter, body.n, body.stream,
+                                body.include_usage)
+        return GenerationResponse(generation, state.engine, state.admission, state.usage)
+    except BaseException:
+        # NOTE: from here on GenerationResponse owns the release; until then a failure must release here.
+        await state.admission.release(ticket, admitted, FinalUsage(0, 0, 0, "error"))
+        raise
+
+
+async def _admit_while_connected(request: Request, state: GatewayState, ticket: AdmissionRequest) -> Admitted | None:
+    """Admission (which may wait in the fair queue), abandoned if the client disconnects meanwhile.
+
+    Returns None when the client went away; the admission's own cancellation releases what it took.
+    """
+    admit = asyncio.ensure_future(state.admission.admit(ticket))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({admit, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if admit.done():
+        return admit.result()
+    admit.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await admit
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def list_models(request: Request) -> Response:
+    user = require_scope(request, TENANT_SCOPE)
+    state = gateway_state(request)
+    cards = await run_in_threadpool(state.resolver.list_models, user.tenant)
+    return JSONResponse({"object": "list", "data": [c.to_json() for c in cards]})
+
+
+async def get_model(request: Request) -> Response:
+    user = require_scope(request, TENANT_SCOPE)
+    state = gateway_state(request)
+    model_id = request.path_params["model_id"]
+    cards = await run_in_threadpool(state.resolver.list_models, user.tenant)
+    for card in cards:
+        if card.id == model_id:
+            return JSONResponse(card.to_json())
+    raise model_not_found(model_id)
+
+
+async def _resolve(state: GatewayState, user: TenantUser, model: str) -> ResolvedModel:
+    if model == state.resolver.base_name:  # no store read: spare the thread hop
+        return ResolvedModel(model, None)
+    resolved = await run_in_threadpool(state.resolver.resolve, user.tenant, model)
+    if resolved is None:
+        raise model_not_found(model)
+    return resolved
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+]

@@ -1,0 +1,162 @@
+"""Request bodies of the OpenAI API as pydantic models.
+
+Like OpenAI: unknown fields are ignored, wrong types are 400 invalid_request_error naming the param
+(strict types: "5" is not an int). Bounds that OpenAI documents are enforced here; engine-specific
+limits (context length, vocabulary) are checked by the engine and come back as 400s too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.http.errors import ApiError, invalid_request
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 4
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields chat and completions share (OpenAI names, plus vLLM's extras)."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM-compatible extras
+    priority: int | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_non_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+PromptInput = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes → validated request model, or an ApiError(400) naming the offending param."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid_request("We could not parse the JSON body of your request. The body must be valid "
+                              "JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    first = e.errors(include_url=False)[0]
+    param = _param_name(first["loc"])
+    if first["type"] == "missing":
+        return invalid_request(f"Missing required parameter: '{param}'.", param=param,
+                               code="missing_required_parameter")
+    message = first["msg"]
+    if first["type"] in ("int_type", "float_type", "string_type", "bool_type", "list_type", "dict_type",
+                         "model_type", "literal_error", "union_tag_invalid"):
+        return invalid_request(f"Invalid type for '{param}': {message}.", param=param, code="invalid_type")
+    return invalid_request(f"Invalid value for '{param}': {message}.", param=param, code="invalid_value")
+
+
+def _param_name(loc: tuple[Any, ...]) -> str:
+    """('messages', 0, 'content', 'str') → 'messages[0].content' (union member tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "TextPart"})

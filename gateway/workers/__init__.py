@@ -1,0 +1,1 @@
+"""How the gateway reaches engine workers: the client interface, HTTP transport, routing, discovery, the supervisor."""

@@ -1,0 +1,1 @@
+"""Tokenizers, chat templates and incremental detokenization, torch-free (gateway and worker both use them)."""

@@ -1,0 +1,1 @@
+"""The torch-free protocol a gateway and an engine worker share: sampling settings, requests, deltas, errors."""
