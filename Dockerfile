@@ -1,4 +1,5 @@
-# loraplex: one image for gateways and engine workers (`loraplex serve` / `loraplex worker`).
+# loraplex: one image for gateways and engine workers (`loraplex serve` / `loraplex worker`, which runs
+# the worker's own command `loraplex-worker`).
 #   docker build -t loraplex .
 # The PyPI torch wheel carries CUDA for Linux x86_64, so the same image runs GPU workers (with the
 # NVIDIA container toolkit) and the CPU fallback.
@@ -12,15 +13,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 # Dependencies first, so that code changes do not reinstall torch.
 COPY pyproject.toml README.md ./
-RUN mkdir -p engine kernels adapters grammar policies gateway \
+RUN mkdir -p wire tokenization engine worker kernels adapters grammar policies gateway demo \
     && pip install . \
     && pip uninstall -y loraplex
+COPY wire ./wire
+COPY tokenization ./tokenization
 COPY engine ./engine
+COPY worker ./worker
 COPY kernels ./kernels
 COPY adapters ./adapters
 COPY grammar ./grammar
 COPY policies ./policies
 COPY gateway ./gateway
+COPY demo ./demo
 RUN pip install --no-deps .
 
 RUN useradd --create-home --uid 10001 loraplex \

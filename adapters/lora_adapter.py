@@ -1,4 +1,4 @@
-"""A validated LoRA adapter: what it is (AdapterManifest) and, when loaded, its factors (LoRAAdapter).
+"""A loaded LoRA adapter: its manifest (adapters.manifest) plus torch factors, and `load_peft_adapter`.
 
 The math of one adapted projection, for input x of shape (tokens, in_features):
     y = base(x) + scaling * (x @ lora_a.T) @ lora_b.T
@@ -8,14 +8,17 @@ stacked, rank-padded device tensors is the slot cache's business.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
-from adapters.adapter_files import is_sha256_hex
+from adapters.manifest import AdapterManifest
 from adapters.peft_config import ModuleKey
+from adapters.peft_format import read_peft_adapter
+from wire.checkpoint import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -35,38 +38,6 @@ class LoRAModuleWeights:
     @property
     def rank(self) -> int:
         return self.lora_a.shape[0]
-
-
-@dataclass(frozen=True)
-class AdapterManifest:
-    """Everything validation proves about an adapter, without its tensors (the upload path keeps this)."""
-
-    name: str
-    sha256: str  # content digest of config + weights (adapters.adapter_files.adapter_digest)
-    weights_sha256: str  # SHA-256 of the adapter_model.safetensors bytes
-    rank: int  # the largest rank of any module
-    target_modules: tuple[str, ...]  # adapted projections, in engine.config.LORA_TARGET_MODULES order
-    layers: tuple[int, ...]  # layers with at least one adapted projection
-    module_ranks: Mapping[ModuleKey, int]
-    module_scalings: Mapping[ModuleKey, float]
-    size_bytes: int  # bytes of adapter_model.safetensors
-    num_parameters: int  # elements of all LoRA factors (times 4 = bytes once loaded as float32)
-    base_model_name_or_path: str | None
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("adapter name must not be empty")
-        if not is_sha256_hex(self.sha256) or not is_sha256_hex(self.weights_sha256):
-            raise ValueError("sha256 and weights_sha256 must be 64 lowercase hex digits")
-        if set(self.module_ranks) != set(self.module_scalings):
-            raise ValueError("module_ranks and module_scalings must cover the same modules")
-        object.__setattr__(self, "module_ranks", MappingProxyType(dict(self.module_ranks)))
-        object.__setattr__(self, "module_scalings", MappingProxyType(dict(self.module_scalings)))
-
-    @property
-    def identity(self) -> tuple[str, str]:
-        """(name, sha256): two adapters are the same exactly when both agree."""
-        return (self.name, self.sha256)
 
 
 @dataclass(frozen=True)
@@ -116,3 +87,23 @@ class LoRAAdapter:
     def module(self, layer: int, projection: str) -> LoRAModuleWeights | None:
         """Factors of one projection, or None where the adapter leaves it unchanged."""
         return self.weights.get((layer, projection))
+
+
+def load_peft_adapter(
+    adapter_dir: str | Path,
+    model_config: ModelConfig,
+    *,
+    name: str,
+    max_lora_rank: int = 64,
+    accepted_base_models: Sequence[str] | None = None,
+) -> LoRAAdapter:
+    """Read, validate and convert a PEFT adapter directory (adapters.peft_format.read_peft_adapter) into
+    float32 CPU tensors. This operation does not modify the directory. Raises AdapterError."""
+    contents = read_peft_adapter(adapter_dir, model_config, name=name, max_lora_rank=max_lora_rank,
+                                 accepted_base_models=accepted_base_models)
+    weights = {
+        key: LoRAModuleWeights(lora_a=torch.from_numpy(f.lora_a), lora_b=torch.from_numpy(f.lora_b),
+                               scaling=f.scaling)
+        for key, f in contents.factors.items()
+    }
+    return LoRAAdapter(manifest=contents.manifest, weights=weights)

@@ -1,10 +1,12 @@
-"""Read and validate a PEFT LoRA adapter directory against the base model it will run on.
+"""Read and validate a PEFT LoRA adapter directory against the base model it will run on. Torch-free.
 
-    load_peft_adapter(dir, model_config, name=...)      -> LoRAAdapter (float32 CPU factors)
-    validate_peft_adapter(dir, model_config, name=...)  -> AdapterManifest (same checks, tensors dropped)
+    read_peft_adapter(dir, model_config, name=...)      -> PeftAdapterContents (manifest + float32 numpy factors)
+    validate_peft_adapter(dir, model_config, name=...)  -> AdapterManifest (same checks, factors dropped)
 
-Only adapter_model.safetensors is read; pickle files (adapter_model.bin) are never opened. Every problem is
-an AdapterError whose one-line message names the file, field or tensor at fault.
+The gateway validates uploads with this module and never loads torch; the engine turns the factors into
+tensors with adapters.lora_adapter.load_peft_adapter. Only adapter_model.safetensors is read; pickle files
+(adapter_model.bin) are never opened. Every problem is an AdapterError whose one-line message names the
+file, field or tensor at fault.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
+import numpy as np
+from safetensors import SafetensorError, deserialize
 
 from adapters.adapter_files import (
     ADAPTER_CONFIG_FILE,
@@ -26,7 +29,7 @@ from adapters.adapter_files import (
     adapter_digest,
 )
 from adapters.errors import AdapterError
-from adapters.lora_adapter import AdapterManifest, LoRAAdapter, LoRAModuleWeights
+from adapters.manifest import AdapterManifest
 from adapters.peft_config import ModuleKey, PeftLoraConfig, module_path
 from wire.checkpoint import LORA_TARGET_MODULES, ModelConfig
 
@@ -34,24 +37,41 @@ _LORA_KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
     r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<factor>A|B)\.weight$"
 )
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# safetensors dtype -> little-endian numpy dtype it is read as (BF16: the upper half of a float32).
+_FLOAT_DTYPES = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8"}
+_Tensor = Mapping[str, Any]  # one entry of safetensors.deserialize: {"dtype": str, "shape": list, "data": bytes}
 
 
-def load_peft_adapter(
+@dataclass(frozen=True)
+class LoRAFactors:
+    """The factors of one (layer, projection), float32 numpy: lora_a (r, in_features), lora_b (out_features, r)."""
+
+    lora_a: np.ndarray
+    lora_b: np.ndarray
+    scaling: float
+
+
+@dataclass(frozen=True)
+class PeftAdapterContents:
+    manifest: AdapterManifest
+    factors: Mapping[ModuleKey, LoRAFactors]
+
+
+def read_peft_adapter(
     adapter_dir: str | Path,
     model_config: ModelConfig,
     *,
     name: str,
     max_lora_rank: int = 64,
     accepted_base_models: Sequence[str] | None = None,
-) -> LoRAAdapter:
-    """Read, validate and convert a PEFT adapter directory. This operation does not modify the directory.
+) -> PeftAdapterContents:
+    """Read and validate a PEFT adapter directory. This operation does not modify the directory.
 
     accepted_base_models: names/paths the served base model is known by (its path, its served name);
     None skips the check. An adapter that declares no base_model_name_or_path passes it (shapes decide).
     """
-    manifest, weights = _read_adapter(adapter_dir, model_config, name, max_lora_rank, accepted_base_models)
-    return LoRAAdapter(manifest=manifest, weights=weights)
+    manifest, factors = _read_adapter(adapter_dir, model_config, name, max_lora_rank, accepted_base_models)
+    return PeftAdapterContents(manifest, factors)
 
 
 def validate_peft_adapter(
@@ -62,7 +82,7 @@ def validate_peft_adapter(
     max_lora_rank: int = 64,
     accepted_base_models: Sequence[str] | None = None,
 ) -> AdapterManifest:
-    """Run every check load_peft_adapter runs (tensor values included) and keep only the manifest."""
+    """Run every check read_peft_adapter runs (tensor values included) and keep only the manifest."""
     manifest, _ = _read_adapter(adapter_dir, model_config, name, max_lora_rank, accepted_base_models)
     return manifest
 
@@ -91,7 +111,7 @@ def _read_adapter(
     name: str,
     max_lora_rank: int,
     accepted_base_models: Sequence[str] | None,
-) -> tuple[AdapterManifest, dict[ModuleKey, LoRAModuleWeights]]:
+) -> tuple[AdapterManifest, dict[ModuleKey, LoRAFactors]]:
     if not name:
         raise AdapterError("adapter name must not be empty")
     directory = Path(adapter_dir)
@@ -124,13 +144,13 @@ def _read_adapter(
     tensors = _parse_safetensors(weights_bytes)
     factors = _collect_factors(tensors, set(targets), model_config.num_layers)
     shapes = model_config.lora_module_shapes()
-    weights: dict[ModuleKey, LoRAModuleWeights] = {}
+    weights: dict[ModuleKey, LoRAFactors] = {}
     for key in targets:
         in_features, out_features = shapes[key[1]]
         r = ranks[key]
         a = _checked_factor(factors, key, "A", (r, in_features))  # (r, in_features)
         b = _checked_factor(factors, key, "B", (out_features, r))  # (out_features, r)
-        weights[key] = LoRAModuleWeights(lora_a=a, lora_b=b, scaling=config.scaling_for(key))
+        weights[key] = LoRAFactors(lora_a=a, lora_b=b, scaling=config.scaling_for(key))
 
     manifest = AdapterManifest(
         name=name,
@@ -142,7 +162,7 @@ def _read_adapter(
         module_ranks=ranks,
         module_scalings={key: w.scaling for key, w in weights.items()},
         size_bytes=len(weights_bytes),
-        num_parameters=sum(w.lora_a.numel() + w.lora_b.numel() for w in weights.values()),
+        num_parameters=sum(w.lora_a.size + w.lora_b.size for w in weights.values()),
         base_model_name_or_path=declared,
     )
     return manifest, weights
@@ -166,19 +186,20 @@ def _read_files(directory: Path) -> tuple[bytes, bytes]:
     return config_file.read_bytes(), weights_file.read_bytes()
 
 
-def _parse_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+def _parse_safetensors(data: bytes) -> dict[str, _Tensor]:
+    """Header and raw bytes of every tensor (the Rust parser checks offsets, sizes and the header)."""
     try:
-        return load_safetensors(data)
+        return dict(deserialize(data))
     except (SafetensorError, ValueError, RuntimeError, TypeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise AdapterError(f"{ADAPTER_WEIGHTS_FILE} is not a valid safetensors file ({reason})") from None
 
 
 def _collect_factors(
-    tensors: dict[str, torch.Tensor], targets: set[ModuleKey], num_layers: int
-) -> dict[tuple[int, str, str], tuple[str, torch.Tensor]]:
+    tensors: dict[str, _Tensor], targets: set[ModuleKey], num_layers: int
+) -> dict[tuple[int, str, str], tuple[str, _Tensor]]:
     """Map each weight key to (layer, projection, "A"|"B"); refuse keys that map to no targeted module."""
-    factors: dict[tuple[int, str, str], tuple[str, torch.Tensor]] = {}
+    factors: dict[tuple[int, str, str], tuple[str, _Tensor]] = {}
     for key, tensor in tensors.items():
         match = _LORA_KEY.match(key)
         if match is None:
@@ -214,11 +235,11 @@ def _unmapped_key_problem(key: str) -> str:
 
 
 def _checked_factor(
-    factors: dict[tuple[int, str, str], tuple[str, torch.Tensor]],
+    factors: dict[tuple[int, str, str], tuple[str, _Tensor]],
     key: ModuleKey,
     factor: str,
     expected_shape: tuple[int, int],
-) -> torch.Tensor:
+) -> np.ndarray:
     entry = factors.get((*key, factor))
     if entry is None:
         raise AdapterError(
@@ -226,13 +247,24 @@ def _checked_factor(
             f"({module_path(*key)} needs both lora_A and lora_B)"
         )
     tensor_key, tensor = entry
-    if tensor.dtype not in _FLOAT_DTYPES:
-        raise AdapterError(f"tensor {tensor_key} has dtype {tensor.dtype}; expected a float dtype")
-    if tuple(tensor.shape) != expected_shape:
+    dtype, shape = tensor["dtype"], tuple(tensor["shape"])
+    if dtype not in _FLOAT_DTYPES:
         raise AdapterError(
-            f"tensor {tensor_key} has shape {tuple(tensor.shape)}, but the base model needs {expected_shape}"
+            f"tensor {tensor_key} has dtype {dtype}; expected a float dtype ({', '.join(_FLOAT_DTYPES)})"
         )
-    as_fp32 = tensor.to(torch.float32).contiguous()
-    if not bool(torch.isfinite(as_fp32).all()):
+    if shape != expected_shape:
+        raise AdapterError(f"tensor {tensor_key} has shape {shape}, but the base model needs {expected_shape}")
+    as_fp32 = _to_float32(tensor["data"], dtype).reshape(shape)
+    if not bool(np.isfinite(as_fp32).all()):
         raise AdapterError(f"tensor {tensor_key} contains NaN or Inf values")
     return as_fp32
+
+
+def _to_float32(data: bytes, dtype: str) -> np.ndarray:
+    """A new, writable float32 array of a float tensor's raw little-endian bytes (widening is exact;
+    F64 rounds to nearest, as torch's .to(float32) does)."""
+    raw = np.frombuffer(data, dtype=_FLOAT_DTYPES[dtype])
+    if dtype == "BF16":  # bfloat16 is the upper 16 bits of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    with np.errstate(over="ignore"):  # an F64 beyond float32 becomes inf, which the caller refuses
+        return raw.astype(np.float32)

@@ -33,12 +33,12 @@ def run_engine(model: Path, reqs: list[tuple[list[int], int]], dtype: str) -> di
         submitted[f"r{i}"] = time.perf_counter()
     n_tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step():  # deltas: this step's new tokens of each request
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
+            n_tokens += sum(len(s.token_ids) for s in out.samples)
             if out.finished:
                 done[out.request_id] = now
-                n_tokens += len(out.outputs[0].token_ids)
     wall = time.perf_counter() - t0
     ttft = [first[r] - submitted[r] for r in submitted]
     tpot = [(done[r] - first[r]) * 1000 / max(1, n - 1) for r, (_, n) in zip(submitted, reqs, strict=True)]

@@ -151,7 +151,7 @@ def engine_throughput(batch: int, max_tokens: int) -> dict:
                                SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, **extra))
         tokens, t = 0, time.perf_counter()
         while engine.has_unfinished_requests():
-            tokens += sum(len(o.outputs[0].delta_token_ids) for o in engine.step())
+            tokens += sum(len(s.token_ids) for o in engine.step() for s in o.samples)
         if label != "warmup":
             row[f"{label}_tok_s"] = max(row[f"{label}_tok_s"], tokens / (time.perf_counter() - t))
     row["ratio"] = row["constrained_tok_s"] / row["unconstrained_tok_s"]

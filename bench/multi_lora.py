@@ -67,9 +67,8 @@ def run_engine(model: Path, reqs: list[tuple[list[int], int]], adapters: list[Pa
                            SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True), adapter=adapter)
     n_tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                n_tokens += len(out.outputs[0].token_ids)
+        for out in engine.step():  # deltas: this step's new tokens of each request
+            n_tokens += sum(len(s.token_ids) for s in out.samples)
         engine.wait_for_adapter_loads(0.01)
     wall = time.perf_counter() - t0
     stats = engine.stats()

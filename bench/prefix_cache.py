@@ -34,12 +34,13 @@ def run_alone(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingPa
     """(seconds to first token, output token ids, cached tokens) for one request run alone."""
     t = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": prompt}, params, cache_salt=salt)
-    first, out = None, None
+    first, tokens, cached = None, [], 0
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        for o in engine.step():  # deltas: this step's new tokens
             first = first or time.perf_counter() - t
-            out = o
-    return first, out.outputs[0].token_ids, out.num_cached_tokens
+            tokens += [tok for s in o.samples for tok in s.token_ids]
+            cached = o.num_cached_tokens
+    return first, tokens, cached
 
 
 def shared_system_prompt(model, vocab: int, n_cold: int, n_warm: int) -> list[dict]:
@@ -82,11 +83,11 @@ def replay(engine: LLMEngine, conversations: list[list[list[int]]], max_tokens: 
         for i, conv in enumerate(conversations):
             engine.add_request(f"t{i}-{turn}", {"prompt_token_ids": conv[turn]}, params, cache_salt=f"tenant-{i}")
         while engine.has_unfinished_requests():
-            for o in engine.step():
+            for o in engine.step():  # deltas: this step's new tokens of each request
+                generated += sum(len(s.token_ids) for s in o.samples)
                 if o.finished:
-                    total += len(o.prompt_token_ids)
-                    computed += len(o.prompt_token_ids) - o.num_cached_tokens
-                    generated += len(o.outputs[0].token_ids)
+                    total += o.num_prompt_tokens
+                    computed += o.num_prompt_tokens - o.num_cached_tokens
     wall = time.perf_counter() - t
     return {"prompt_tokens": total, "prefill_tokens_computed": computed, "wall_s": wall,
             "tokens_per_s": (total + generated) / wall}

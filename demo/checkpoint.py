@@ -1,15 +1,18 @@
 """Tiny random Llama-family checkpoints and trained tokenizers, made locally in seconds.
 
 Nothing here reaches a model hub. `loraplex serve` with no `--model` builds its demo model with these
-functions, the tests build their fixtures with them, and the benchmarks build the SmolLM-shaped bench
+functions (in a child process, `python -m demo.checkpoint OUT_DIR`: they use torch and the gateway never
+loads it), the tests build their fixtures with them, and the benchmarks build the SmolLM-shaped bench
 model with them. The output is an ordinary HF-format directory (config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json) that `transformers` loads too.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -172,6 +175,11 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyModelSpec("Qwen3ForCausalLM", head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
 }
 
+# What `loraplex serve` runs with no --model: small but not trivial (4 layers, GQA 8/4 heads, hidden 256,
+# llama3 rope; about 2.4 M parameters).
+DEMO_SPEC = TinyModelSpec(**{**FAMILIES["llama"].__dict__, "hidden_size": 256, "intermediate_size": 704,
+                             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4})
+
 # The bench model of the issues: SmolLM-135M's shape with an 8k vocabulary (about 111 M parameters).
 SMOLLM_SHAPE = TinyModelSpec(
     "LlamaForCausalLM",
@@ -288,8 +296,9 @@ def make_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            (out / name).write_bytes((Path(tokenizer_dir) / name).read_bytes())
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+            if (Path(tokenizer_dir) / name).is_file():
+                (out / name).write_bytes((Path(tokenizer_dir) / name).read_bytes())
     else:
         train_tokenizer(out, tokenizer_kind, vocab_size)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -297,10 +306,13 @@ def make_checkpoint(
     # Round the embedding up like real checkpoints do (vocab padded to a multiple of 64).
     model_vocab = (real_vocab + 63) // 64 * 64
     bos_id, eos_id, eot_id = (_token_id(tok, t) for t in (BOS, EOS, EOT))
-    cfg = _config_dict(spec, model_vocab, bos_id, [eot_id, eos_id])
+    # A chat style (demo/chat_styles.py) may end turns with its own token (<|im_end|>, </s>): it ends generation too.
+    turn_end = json.loads((out / "tokenizer_config.json").read_text()).get("eos_token", EOT)
+    eos_ids = list(dict.fromkeys([_token_id(tok, turn_end), eot_id, eos_id]))
+    cfg = _config_dict(spec, model_vocab, bos_id, eos_ids)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen = {"bos_token_id": bos_id, "eos_token_id": [eot_id, eos_id], "do_sample": False}
+    gen = {"bos_token_id": bos_id, "eos_token_id": eos_ids, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
     sd = {k: v.to(dtype).contiguous() for k, v in random_state_dict(spec, model_vocab, seed).items()}
@@ -319,3 +331,16 @@ def make_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m demo.checkpoint OUT_DIR`: write the demo model (DEMO_SPEC) into OUT_DIR."""
+    parser = argparse.ArgumentParser(prog="python -m demo.checkpoint", description=main.__doc__)
+    parser.add_argument("out_dir", help="directory to write the checkpoint into (created if missing)")
+    args = parser.parse_args(argv)
+    make_checkpoint(args.out_dir, DEMO_SPEC)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

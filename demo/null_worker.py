@@ -1,7 +1,9 @@
 """A real engine worker process with a null engine: the worker protocol without a model.
 
 `NullLLM` has the interface `worker.server.WorkerService` drives (generate / abort / stats /
-engine), and answers every request with exactly `max_tokens` tokens per sample, finish_reason "length",
+shutdown), declares what it serves in `NULL_CAPABILITIES` (no adapters, no structured output), and
+answers every request with exactly `max_tokens` tokens per sample, finish_reason "length", as the engine
+does: one `GenerateDelta` per step holding that step's token of each sample (never cumulative),
 optionally waiting `token_delay_s` before each token. Served by the real `build_worker_app`, it stands in
 for the model when gateway tests and benchmarks measure the gateway itself (quotas, queueing, overhead).
 
@@ -22,11 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.llm_engine import EngineStats
-from engine.outputs import CompletionOutput, RequestOutput
+from wire.errors import ErrorCode, RequestError
+from wire.protocol import GenerateDelta, Logprob, SampleDelta
 from wire.sampling import SamplingParams
+from worker.capabilities import WorkerCapabilities
 
 NULL_TOKEN_ID = 120  # a byte-level id every test tokenizer has
 NULL_TOKEN_TEXT = "x"
+NULL_CAPABILITIES = WorkerCapabilities(structured_output=False, adapters=False)
 
 
 @dataclass(frozen=True)
@@ -42,29 +47,23 @@ class NullEngineConfig:
 
 
 @dataclass
-class _NullEngine:
-    """What WorkerService inspects on `llm.engine`: no adapters, no structured output."""
-
-    supports_structured_output: bool = False
-
-
-@dataclass
 class NullLLM:
     """AsyncLLM's serving interface over no model. Counters are for tests and benchmarks."""
 
     config: NullEngineConfig = field(default_factory=NullEngineConfig)
-    engine: _NullEngine = field(default_factory=_NullEngine)
     running: set[str] = field(default_factory=set)
     peak_running: int = 0
     started: list[tuple[str, int]] = field(default_factory=list)  # (request id, priority) in start order
 
     async def generate(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, *,
-                       priority: int = 0, adapter: Any = None, cache_salt: str = "") -> AsyncIterator[RequestOutput]:
-        """`params.max_tokens` tokens per sample. Raises ValueError when over max_running."""
+                       priority: int = 0, adapter: Any = None, cache_salt: str = "") -> AsyncIterator[GenerateDelta]:
+        """`params.max_tokens` tokens per sample, one per delta. Raises RequestError(engine_error) when
+        over max_running."""
         limit = self.config.max_running
         if limit is not None and len(self.running) >= limit:
-            raise ValueError(f"null worker over capacity: {len(self.running)} running, max_running={limit}")
-        prompt_ids = list(prompt["prompt_token_ids"])
+            raise RequestError(ErrorCode.ENGINE_ERROR, f"null worker over capacity (max_running={limit})",
+                               request_id=request_id)
+        num_prompt_tokens = len(prompt["prompt_token_ids"])
         self.running.add(request_id)
         self.peak_running = max(self.peak_running, len(self.running))
         self.started.append((request_id, priority))
@@ -73,12 +72,10 @@ class NullLLM:
                 if self.config.token_delay_s > 0:
                     await asyncio.sleep(self.config.token_delay_s)
                 last = step == params.max_tokens - 1
-                outputs = [CompletionOutput(
-                    index=i, text=NULL_TOKEN_TEXT * (step + 1), token_ids=[NULL_TOKEN_ID] * (step + 1),
-                    finish_reason="length" if last else None, delta_text=NULL_TOKEN_TEXT,
-                    delta_token_ids=[NULL_TOKEN_ID],
-                ) for i in range(params.n)]
-                yield RequestOutput(request_id, None, prompt_ids, outputs, finished=last)
+                logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+                samples = [SampleDelta(i, [NULL_TOKEN_ID], NULL_TOKEN_TEXT, logprobs, "length" if last else None)
+                           for i in range(params.n)]
+                yield GenerateDelta(request_id, samples, num_prompt_tokens, finished=last)
         finally:
             self.running.discard(request_id)
 
@@ -109,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print("null_worker: set LORAPLEX_WORKER_SECRET", file=sys.stderr)
         return 2
     llm = NullLLM(NullEngineConfig(token_delay_s=args.token_delay_ms / 1000, max_running=args.max_running))
-    run_worker(llm, args.model_name, secret, host=args.host, port=args.port)  # type: ignore[arg-type]
+    run_worker(llm, args.model_name, secret, NULL_CAPABILITIES, host=args.host,  # type: ignore[arg-type]
+               port=args.port)
     return 0
 
 

@@ -1,9 +1,11 @@
 """Streaming entry point for servers: the engine loop in its own thread, asyncio streams per request.
 
 The loop thread alone touches the LLMEngine. Callers post commands (add, abort) to an inbox; the loop
-drains it between steps, runs `step()`, and hands each RequestOutput to the caller's event loop. A
-fault inside a step fails the requests of that step with an error (releasing everything they hold) and
-the loop keeps serving.
+drains it between steps, runs `step()`, and hands each request's delta (wire.protocol.GenerateDelta:
+only what is new) to the caller's event loop. A request that fails ends its stream with a
+wire.errors.RequestError carrying a stable code. A fault inside a step fails the requests in flight
+(releasing everything they hold; the fault is logged here, tenants get only the code's message) and the
+loop keeps serving.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine, PromptType
-from engine.outputs import RequestOutput
+from engine.llm_engine import EngineStats, LLMEngine, PromptType, StepOutput
 from engine.request import AdapterRef, RequestStatus
+from wire.errors import ErrorCode, RequestError
+from wire.protocol import GenerateDelta
 from wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -28,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutput | BaseException
+    queue: asyncio.Queue  # GenerateDelta | RequestError
 
 
 class AsyncLLM:
@@ -62,30 +65,34 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                        priority: int = 0, adapter: AdapterRef | None = None,
-                       cache_salt: str = "") -> AsyncIterator[RequestOutput]:
-        """Stream outputs until the request finishes. Raises ValueError for a request that cannot run.
-
-        Leaving the iteration early (client disconnect, cancellation) aborts the request in the engine.
+                       cache_salt: str = "") -> AsyncIterator[GenerateDelta]:
+        """Stream the request's deltas until one is finished. Raises RequestError when it fails:
+        invalid_request for one that can never run (the engine's reason as message), another code when
+        it fails while running. Leaving the iteration early (client disconnect, cancellation) aborts
+        the request in the engine.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
 
         def add() -> None:
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority, adapter=adapter,
                                         cache_salt=cache_salt)
-            except Exception as e:  # refused: hand the error to the caller, keep serving
-                self._deliver(request_id, e, final=True)
+            except ValueError as e:  # refused: the engine's reason names what is wrong with the request
+                self._deliver(request_id, RequestError(ErrorCode.INVALID_REQUEST, str(e), request_id=request_id))
+            except Exception:  # a fault of the engine, not of the request: keep serving
+                log.exception("adding request %s failed", request_id)
+                self._deliver(request_id, RequestError(ErrorCode.ENGINE_ERROR, request_id=request_id))
 
         self._post(add)
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, RequestError):
                     finished = True
                     raise item
                 yield item
@@ -123,6 +130,8 @@ class AsyncLLM:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # NOTE: the loop thread owns the engine until it has ended
+            self.engine.shutdown()
 
     # ----- loop thread ------------------------------------------------------------------------------
 
@@ -133,9 +142,10 @@ class AsyncLLM:
     def _abort_now(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         if out is not None:
-            self._deliver(request_id, out, final=True)
+            self._deliver(request_id, out)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException, final: bool) -> None:
+    def _deliver(self, request_id: str, item: StepOutput) -> None:
+        final = isinstance(item, RequestError) or item.finished
         with self._lock:
             stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
         if stream is not None:
@@ -158,9 +168,9 @@ class AsyncLLM:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # an engine fault: fail what was in flight, release it all, go on
+            except Exception:  # an engine fault: fail what was in flight, release it all, go on
                 log.exception("engine step failed")
-                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                self._fail_all()
                 continue
             self.step_count += 1
             self._idle_checked = False
@@ -171,7 +181,7 @@ class AsyncLLM:
                 self._wake.wait(timeout=0.002)
                 self._wake.clear()
             for out in outputs:
-                self._deliver(out.request_id, out, final=out.finished)
+                self._deliver(out.request_id, out)
 
     def _check_idle_integrity(self) -> None:
         """Once per idle spell: prove every KV block, slot pin and grammar hold is accounted for."""
@@ -182,12 +192,13 @@ class AsyncLLM:
             self.integrity_failures += 1
             log.exception("engine integrity check failed while idle")
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self) -> None:
         with self._lock:
             ids = list(self._streams)
+        error = RequestError(ErrorCode.ENGINE_ERROR)
         for rid in ids:
-            out = self.engine.fail_request(rid, message)
-            self._deliver(rid, out if out is not None else RuntimeError(message), final=True)
+            self.engine.fail_request(rid, error)
+            self._deliver(rid, error.for_request(rid))
         for rid in list(self.engine.scheduler.requests):  # anything not streamed through generate()
             self.engine.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant import INT4_GROUP_SIZES
 from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public config names)
     LORA_TARGET_MODULES,
     SUPPORTED_ARCHITECTURES,
@@ -20,6 +21,7 @@ from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public c
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class EngineConfig:
 
     model: str
     device: str = "cpu"
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype on CUDA, float32 on CPU (bfloat16 when quantized)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
@@ -40,6 +42,10 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # None: 4 * max_loras
     seed: int = 0
+    # Weight-only quantization at load (engine.quantization): "none", "int8" (per output channel) or "int4"
+    # (group-wise). A GPTQ checkpoint runs as int4 either way.
+    quantization: str = "none"
+    quantization_group_size: int | None = None  # int4 only; None: the largest of 128/64/32 that fits the model
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -52,12 +58,21 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size is not None and (
+                self.quantization != "int4" or self.quantization_group_size not in INT4_GROUP_SIZES):
+            raise ValueError(f"quantization_group_size applies to int4 only and must be one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quantization_group_size}")
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.device.startswith("cuda"):
             return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+        # torch's packed int8/int4 CPU kernels take bf16 activations (fp32 ones dequantize every step)
+        if self.quantization != "none" or "quantization_config" in model_config.raw:
+            return torch.bfloat16
         return torch.float32
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.block_pool import BlockPool
 from engine.radix_cache import RadixCache
 from engine.request import Request
+from wire.protocol import PrefixNamespace, prefix_namespace
 
 
 class KVCacheManager:
@@ -105,7 +106,6 @@ class KVCacheManager:
         self.pool.check_integrity()
 
 
-def _namespace(req: Request) -> tuple[str, str]:
-    """Prefix-cache namespace: the tenant's server-chosen salt and the adapter's identity."""
-    adapter = f"{req.adapter.name}@{req.adapter.sha256}" if req.adapter else ""
-    return (req.cache_salt, adapter)
+def _namespace(req: Request) -> PrefixNamespace:
+    """Prefix-cache namespace: the request's cache salt and its adapter's content (wire/protocol.py)."""
+    return prefix_namespace(req.cache_salt, req.adapter.sha256 if req.adapter else None)

@@ -10,18 +10,20 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import read_generation_config
 from engine.lora_slots import LoRASlots
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
 from engine.plan import SampledToken
 from engine.request import AdapterRef, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
 from tokenization.tokenizer import Tokenizer
+from wire.errors import ErrorCode, RequestError
+from wire.protocol import GenerateDelta
 from wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 PromptType = str | dict | list[int]
+StepOutput = GenerateDelta | RequestError  # per request and step: its delta, or the error that ended it
 
 
 @dataclass(frozen=True)
@@ -51,32 +53,32 @@ class LLMEngine:
         eos = gen.get("eos_token_id", self.model_config.eos_token_ids)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         self.tokenizer = Tokenizer(config.model, extra_eos_ids=eos_ids)
-        self.runner = ModelRunner(config, self.model_config)
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.runner.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.lora = LoRASlots(config, self.model_config, self.runner.dtype, self.runner.device)
-        self.runner.lora = self.lora
-        # NOTE: other admission checks (grammar) must run before the LoRA one, which pins a slot.
-        self.scheduler.admission_check = self.lora.admission_check
-        self.scheduler.on_release = self._on_release
+        self.lora = LoRASlots(config, self.model_config, config.torch_dtype(self.model_config), config.device)
         self.structured = StructuredOutputManager(config.model, self.tokenizer.eos_token_ids)
-        self.runner.grammar_masker = self.structured.fill
-        self.scheduler.holdings_check = self.lora.check_integrity
+        self.runner = ModelRunner(config, self.model_config, lora=self.lora, grammar_masker=self.structured.fill)
+        self.scheduler = Scheduler(
+            config, self.runner.num_blocks, self.runner.max_model_len,
+            # The grammar gate only looks; the LoRA gate pins a slot for what it admits, so it goes last.
+            gates=(self.structured.admission_gate, self.lora.admission_gate),
+            on_release=self._on_release, holdings_check=self.lora.check_integrity,
+        )
 
     # ----- intake -----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
-                    adapter: AdapterRef | str | None = None, cache_salt: str = "") -> None:
+                    adapter: AdapterRef | str | None = None, cache_salt: str = "") -> list[int]:
         """Queue a request; n > 1 becomes n sequences sharing the prompt (and its cached prefix).
 
         `adapter`: the name of a loaded adapter (its current content) or that content's AdapterRef.
-        Raises ValueError (naming the problem) for a prompt that can never be served or an adapter that
-        is not loaded.
+        `cache_salt`: the salt its prompt is cached under (wire.protocol.prefix_namespace).
+        Returns the prompt's token ids. Raises ValueError (naming the problem) for a prompt that can
+        never be served or an adapter that is not loaded; then nothing of the request stays queued.
         """
         if self.outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         adapter = self.lora.resolve(adapter)
-        text, token_ids = self._tokenize(prompt)
+        token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -98,53 +100,68 @@ class LLMEngine:
             for cid in added:
                 self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
             raise
-        self.outputs.add(request_id, text, token_ids, params, child_ids)
+        self.outputs.add(request_id, token_ids, params, child_ids)
+        return token_ids
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return [int(t) for t in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return self.tokenizer.encode(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, [int(t) for t in prompt]
+        return [int(t) for t in prompt]
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request (all its samples) now; returns its final output, or None if unknown."""
-        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
-
-    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
-        return self._end(request_id, RequestStatus.FINISHED_ERROR, error)
-
-    def _end(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
-        result = None
+    def abort_request(self, request_id: str) -> GenerateDelta | None:
+        """End a request (all its samples) now; returns its final delta, or None if unknown."""
         for cid in self.outputs.child_ids(request_id):
-            self.scheduler.finish_request(cid, status)
-            result = self.outputs.finish(cid, status, error) or result
-        return result
+            self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+        return self.outputs.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def fail_request(self, request_id: str, error: RequestError) -> RequestError | None:
+        """Fail a request (all its samples) now, releasing all it holds. Returns `error` for this request
+        id, or None if the request is unknown or already over."""
+        for cid in self.outputs.child_ids(request_id):
+            self.scheduler.finish_request(cid, RequestStatus.FINISHED_ERROR)
+        return error.for_request(request_id) if self.outputs.drop(request_id) else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ----- the loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
+        """One iteration. Returns, for each request that changed, its delta (new tokens and text) or
+        the RequestError that ended it; a request's last item is a finished delta or an error."""
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)
         updates = self.scheduler.update(plan, output)
         return self._make_outputs(updates)
 
-    def _make_outputs(self, updates: list[tuple[Request, SampledToken]]) -> list[RequestOutput]:
-        outputs, stop_hits = self.outputs.process(updates)
+    def _make_outputs(self, updates: list[tuple[Request, SampledToken]]) -> list[StepOutput]:
+        # NOTE: a constrained output that fails its guard never reaches a delta: its request fails instead.
+        failures = [(rid, RequestError(ErrorCode.ENGINE_ERROR, reason))
+                    for rid, reason in self.structured.guard(updates)]
+        if failures:
+            unguarded = {rid for rid, _ in failures}
+            updates = [(req, sampled) for req, sampled in updates if req.request_id not in unguarded]
+        deltas, stop_hits = self.outputs.process(updates)
+        outputs: list[StepOutput] = list(deltas)
         for child_id, stop in stop_hits:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
-        failures = self.lora.take_load_failures()
-        failures += [(req.request_id, reason) for req, reason in self.structured.poll()]
-        for child_id, reason in failures:
-            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
-            failed = self.outputs.finish(child_id, RequestStatus.FINISHED_ERROR, reason)
+        for child_id, reason in self.lora.take_load_failures():
+            log.warning("request %s: %.300s", child_id, reason)  # the reason's file paths stay in the log
+            req = self.scheduler.requests.get(child_id)
+            name = req.adapter.name if req is not None and req.adapter is not None else "?"
+            failures.append((child_id, RequestError(ErrorCode.ADAPTER_UNAVAILABLE,
+                                                    f"adapter {name!r} could not be reloaded from its files")))
+        for req, reason in self.structured.poll():  # the grammar's own one-line reason names the schema fault
+            failures.append((req.request_id, RequestError(ErrorCode.INVALID_REQUEST, reason)))
+        for child_id, error in failures:
+            parent_id = self.outputs.parent_of(child_id)
+            failed = self.fail_request(parent_id, error) if parent_id is not None else None
             if failed is not None:
                 outputs.append(failed)
         return outputs
@@ -152,6 +169,12 @@ class LLMEngine:
     def _on_release(self, req: Request) -> None:
         self.lora.on_release(req)
         self.structured.forget(req.request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine's background threads (the adapter reader, the grammar compile pool). Call once
+        no step runs any more; the engine serves nothing after it."""
+        self.lora.close()
+        self.structured.shutdown()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

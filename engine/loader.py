@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.config import CheckpointError, ModelConfig
+from engine.quantization import QuantizationSpec, is_linear_weight, quantize, read_gptq
+from kernels.quant import Weight
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -62,32 +66,68 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors `expected_shapes(cfg)` names, cast to dtype. CheckpointError names any problem."""
+def load_weights(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, quantization: QuantizationSpec | None = None
+) -> dict[str, Weight]:
+    """All tensors `expected_shapes(cfg)` names, cast to dtype. CheckpointError names any problem.
+
+    With `quantization`, every linear weight (engine.quantization.is_linear_weight) comes back quantized
+    instead: quantized here tensor by tensor as it is read (at most one full-precision fp32 copy of one
+    tensor at a time), or repacked from a GPTQ checkpoint's qweight/qzeros/scales.
+    """
     path = Path(model_dir)
     files = _weight_files(path)
     want = expected_shapes(cfg)
-    missing = [n for n in want if n not in files]
+    gptq = quantization is not None and quantization.source == "gptq"
+
+    def gptq_prefix(name: str) -> str | None:
+        prefix = name.removesuffix("weight")
+        return prefix if gptq and is_linear_weight(name, cfg) and prefix + "qweight" in files else None
+
+    missing = [n for n in want if n not in files and gptq_prefix(n) is None]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{path}: missing tensor {missing[0]}{more}")
-    by_file: dict[Path, list[str]] = {}
-    for name in want:
-        by_file.setdefault(files[name], []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for file, names in by_file.items():
+    out: dict[str, Weight] = {}
+    with _TensorReader(files) as read:
+        for name, shape in want.items():
+            prefix = gptq_prefix(name)
+            if prefix is not None and quantization is not None:
+                out[name] = read_gptq(read, prefix, shape, quantization, dtype)
+                continue
+            t = read(name)
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {shape}")
+            if quantization is not None and quantization.source == "load" and is_linear_weight(name, cfg):
+                out[name] = quantize(t.float(), quantization, dtype)
+            else:
+                out[name] = t.to(dtype)
+    return out
+
+
+class _TensorReader:
+    """Reads tensors by name from a checkpoint's safetensors files, each file opened once.
+    KeyError for a name no file holds; CheckpointError for an unreadable file."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files = files
+        self._stack = ExitStack()
+        self._open: dict[Path, Any] = {}
+
+    def __enter__(self) -> _TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        file = self._files[name]
         try:
-            with safe_open(str(file), "pt") as f:
-                for name in names:
-                    t = f.get_tensor(name)
-                    if tuple(t.shape) != want[name]:
-                        raise CheckpointError(
-                            f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {want[name]}"
-                        )
-                    out[name] = t.to(dtype)
+            if file not in self._open:
+                self._open[file] = self._stack.enter_context(safe_open(str(file), "pt"))
+            return self._open[file].get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-    return out
 
 
 def read_generation_config(model_dir: str | Path) -> dict:

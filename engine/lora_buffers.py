@@ -54,7 +54,7 @@ class LoRAStepContext:
 class LoRADeviceBuffers:
     """`num_slots` adapter slots for every (layer, group), on the runner's device and in its dtype.
 
-    Mutated only by `write` / `clear` (between steps, never during a forward).
+    Mutated only by `write` (between steps, never during a forward).
     """
 
     def __init__(self, model_config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
@@ -94,12 +94,6 @@ class LoRADeviceBuffers:
                     [0.0 if m is None else m.scaling for m in modules],
                 )
                 adapted.add(group)
-
-    def clear(self, slot: int) -> None:
-        for layer, groups in enumerate(self.weights):
-            for stacked in groups.values():
-                stacked.clear_slot(slot)
-            self._adapted[slot][layer].clear()
 
     def is_adapted(self, layer: int, group: str, slots: tuple[int, ...]) -> bool:
         return any(group in self._adapted[s][layer] for s in slots)

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.errors import AdapterError
-from adapters.lora_adapter import LoRAAdapter
-from adapters.peft_format import load_peft_adapter
+from adapters.lora_adapter import LoRAAdapter, load_peft_adapter
 from engine.config import ModelConfig
 from engine.request import AdapterRef
 

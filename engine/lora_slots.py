@@ -2,13 +2,13 @@
 
 Composes the host cache (engine.lora_host_cache: registered adapters, float32 factors in host memory,
 background reloads) and the device buffers (engine.lora_buffers: stacked A/B per layer and group). The
-scheduler calls two hooks:
+engine hands the scheduler two of its methods:
 
-- `admission_check(request, active_slots)`: the slot a waiting request runs in (-1 for the base model),
-  or None to keep it waiting while its adapter is read from disk or while every slot is held (and then
-  later requests for resident adapters wait too, so that a slot drains for it). Copying an
-  adapter into a slot happens here, between steps (never inside a forward). Eviction takes the least
-  recently used slot that no unfinished request holds and the user did not pin.
+- `admission_gate(request, active_slots)`, the scheduler's last admission gate: the slot a waiting
+  request runs in (-1 for the base model), or None to keep it waiting while its adapter is read from disk
+  or while every slot is held (and then later requests for resident adapters wait too, so that a slot
+  drains for it). Copying an adapter into a slot happens here, between steps (never inside a forward).
+  Eviction takes the least recently used slot that no unfinished request holds and the user did not pin.
 - `on_release(request)`: drops the request's slot pin and its hold on the host entry (finish, abort,
   error). A preempted request keeps its slot pin until it finishes, so it resumes in the same slot.
 
@@ -29,8 +29,7 @@ from engine.lora_buffers import LoRADeviceBuffers, LoRAStepContext
 from engine.lora_host_cache import AdapterHostCache
 from engine.plan import BatchPlan
 from engine.request import AdapterRef, Request
-
-BASE_SLOT = -1
+from engine.scheduler import BASE_SLOT
 
 
 @dataclass
@@ -92,7 +91,7 @@ class LoRASlots:
         """Loaded adapters now in a device slot (for routing by residency)."""
         return [ref for ref in self._owner if ref is not None and self.host.is_registered(ref)]
 
-    # ----- request lifecycle (scheduler hooks) --------------------------------------------------------
+    # ----- request lifecycle (the scheduler's gate and release hook) ---------------------------------
 
     def track(self, req: Request) -> None:
         """Call once a request with an adapter is queued: holds its host entry, starts a reload if needed."""
@@ -103,8 +102,9 @@ class LoRASlots:
         if req.adapter not in self._slot_of and self.host.get(req.adapter) is None:
             self.host.start_load(req.adapter)
 
-    def admission_check(self, req: Request, active_slots: set[int]) -> int | None:
-        """The slot `req` runs in, loading its adapter into one if needed; None keeps it waiting."""
+    def admission_gate(self, req: Request, active_slots: set[int]) -> int | None:
+        """The slot `req` runs in, loading its adapter into one if needed; None keeps it waiting. Pins the
+        slot for `req` (until on_release), so it runs after every gate that only looks."""
         if req.adapter is None:
             return BASE_SLOT
         slot = self._admitted.get(req.request_id)  # resumed after preemption: same slot
@@ -133,6 +133,10 @@ class LoRASlots:
         ref = self._held.pop(req.request_id, None)
         if ref is not None:
             self.host.release(ref)
+
+    def close(self) -> None:
+        """Stop the host cache's background reader (waits for a read in progress). Call once, at shutdown."""
+        self.host.close()
 
     def take_load_failures(self) -> list[tuple[str, str]]:
         """(request id, reason) for waiting requests whose adapter could not be read back from disk."""

@@ -12,11 +12,15 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_weights
 from engine.models.llama import AttentionInputs, LlamaModel
 from engine.plan import BatchPlan, ModelOutput, SampleRow
+from engine.quantization import resolve as resolve_quantization
 from engine.sampler import Sampler
 from kernels.attention import StepAttentionPlan
 
 if TYPE_CHECKING:
     from engine.lora_slots import LoRASlots
+
+# A step's constrained rows -> (bitmask, their row indices), or None when no row is constrained.
+GrammarMasker = Callable[[list[SampleRow]], "tuple[torch.Tensor, list[int]] | None"]
 
 
 class ModelRunner:
@@ -25,20 +29,24 @@ class ModelRunner:
     Constructing one needs no GPU; `device` decides where tensors live.
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, *, lora: LoRASlots | None = None,
+                 grammar_masker: GrammarMasker | None = None) -> None:
+        """`lora` builds each step's LoRAContext (None: base model only); `grammar_masker` gives a step's
+        (bitmask, constrained row indices), e.g. StructuredOutputManager.fill (None: no constraints)."""
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         self.max_model_len = config.resolved_max_model_len(model_config)
-        weights = load_weights(Path(config.model), model_config, self.dtype)
+        self.quantization = resolve_quantization(config, model_config)  # None: full-precision weights
+        weights = load_weights(Path(config.model), model_config, self.dtype, self.quantization)
         self.model = LlamaModel(model_config, weights, self.device, self.max_model_len)
+        self.weight_bytes = self.model.weight_bytes  # resident parameter bytes (worker state and metrics)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.kv_caches = [(self._kv_buffer(), self._kv_buffer()) for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
-        self.lora: LoRASlots | None = None  # set by the engine: builds each step's LoRAContext
-        # StructuredOutputManager.fill, set by the engine: (bitmask, constrained row indices) for a step
-        self.grammar_masker: Callable[[list[SampleRow]], tuple[torch.Tensor, list[int]] | None] | None = None
+        self.lora = lora
+        self.grammar_masker = grammar_masker
 
     def _kv_buffer(self) -> torch.Tensor:
         """One layer's keys or values: logical shape (num_blocks, block_size, H_kv, D), the layout every

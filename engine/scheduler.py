@@ -5,13 +5,13 @@ the same order, and the KV cache manager (block pool + radix prefix cache), and 
 BatchPlan. Each step: running requests continue first (decode or their next prefill chunk) under the
 token budget; when KV blocks run out the worst running request (highest priority number, latest
 arrival) is preempted by recompute; then waiting requests are admitted while budget, sequence slots and
-blocks last.
+blocks last, each only once it passes the admission gates it was constructed with (in their order).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -19,9 +19,14 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.plan import BatchPlan, ModelOutput, SampledToken, SampleRow, ScheduledSeq
 from engine.request import Request, RequestStatus
 
-# Decides whether a waiting request may start now and which LoRA slot it runs in.
-# Returns None to keep it waiting (adapter loading, grammar compiling), else its slot (-1 = base).
-AdmissionCheck = Callable[[Request, set[int]], "int | None"]
+BASE_SLOT = -1  # the LoRA slot of a request that runs the base model alone (ScheduledSeq.lora_slot)
+
+# One check a waiting request passes before it starts, given the LoRA slots running requests use. Returns
+# None to keep it waiting this step (later requests still go ahead: its grammar compiles, its adapter is
+# read from disk), else the LoRA slot it runs in (BASE_SLOT from a gate that places no adapter). Gates
+# run in the order given and the first None stops the rest, so a gate that holds something for the
+# request (a LoRA slot pin) goes after the gates that only look.
+AdmissionGate = Callable[[Request, set[int]], "int | None"]
 
 
 @dataclass
@@ -50,7 +55,13 @@ class RequestQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, *,
+                 gates: Sequence[AdmissionGate] = (),
+                 on_release: Callable[[Request], None] | None = None,
+                 holdings_check: Callable[[list[Request]], None] | None = None) -> None:
+        """`gates`: admission gates, in the order they run. `on_release(request)` frees what a finished
+        request holds outside the KV cache (adapter pins, grammar state); `holdings_check(unfinished)`
+        asserts, in check_integrity, that it did."""
         self.config = config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -60,9 +71,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         self._lora_slots: dict[str, int] = {}  # request id -> LoRA slot it was admitted with
-        self.admission_check: AdmissionCheck | None = None
-        self.on_release: Callable[[Request], None] | None = None  # frees adapter pins, grammar state
-        self.holdings_check: Callable[[list[Request]], None] | None = None  # asserts on_release's side
+        self.gates = tuple(gates)
+        self.on_release = on_release
+        self.holdings_check = holdings_check
 
     # ----- intake ----------------------------------------------------------------------------------
 
@@ -128,18 +139,13 @@ class Scheduler:
         return self._build_plan(scheduled, preempted)
 
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
-        active_slots = {self._lora_slots.get(r.request_id, -1) for r in self.running} - {-1}
+        active_slots = {self._lora_slots.get(r.request_id, BASE_SLOT) for r in self.running} - {BASE_SLOT}
         for req in self.waiting:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.sampling_params.has_grammar and req.grammar is None:
-                continue  # its grammar is still compiling: others go ahead
-            slot = -1
-            if self.admission_check is not None:
-                checked = self.admission_check(req, active_slots)
-                if checked is None:
-                    continue  # not ready (adapter loading, grammar compiling): others go ahead
-                slot = checked
+            slot = self._pass_gates(req, active_slots)
+            if slot is None:
+                continue  # not ready (grammar compiling, adapter loading): others go ahead
             cached = self.kv.match_prefix(req)
             req.num_computed_tokens = cached
             n = min(req.num_uncomputed_tokens, budget)
@@ -153,11 +159,22 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             self._lora_slots[req.request_id] = slot
-            if slot >= 0:
+            if slot != BASE_SLOT:
                 active_slots.add(slot)
             scheduled.append((req, n))
             budget -= n
         return budget
+
+    def _pass_gates(self, req: Request, active_slots: set[int]) -> int | None:
+        """The LoRA slot `req` may start in now, or None while a gate keeps it waiting."""
+        slot = BASE_SLOT
+        for gate in self.gates:
+            placed = gate(req, active_slots)
+            if placed is None:
+                return None
+            if placed != BASE_SLOT:
+                slot = placed
+        return slot
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: keep computed whole blocks in the prefix cache, free the rest, re-queue."""
@@ -178,7 +195,7 @@ class Scheduler:
     def _build_plan(self, scheduled: list[tuple[Request, int]], preempted: int) -> BatchPlan:
         bs = self.config.block_size
         # Group by LoRA slot so the runner sees contiguous adapter segments.
-        scheduled.sort(key=lambda item: self._lora_slots.get(item[0].request_id, -1))
+        scheduled.sort(key=lambda item: self._lora_slots.get(item[0].request_id, BASE_SLOT))
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -192,7 +209,7 @@ class Scheduler:
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             seqs.append(ScheduledSeq(req.request_id, query_start, n, start + n, list(table),
-                                     self._lora_slots.get(req.request_id, -1)))
+                                     self._lora_slots.get(req.request_id, BASE_SLOT)))
             if start + n == req.num_tokens:
                 params = req.sampling_params
                 rows.append(SampleRow(

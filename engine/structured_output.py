@@ -2,21 +2,26 @@
 
 Flow per constrained request: `submit` at add_request (the cheap strictness checks run now, so an
 unsupported schema is refused at submission; the compile runs on the grammar package's thread pool);
-`poll` before each schedule hands finished compiles to their requests (a request stays waiting, without
-holding up others, until its grammar is ready); the runner calls `fill` to build one batched bitmask for
+`poll` before each schedule hands finished compiles to their requests (`admission_gate`, one of the
+scheduler's gates, keeps a request waiting, without holding up others, until its grammar is ready); the
+runner calls `fill` to build one batched bitmask for
 the constrained rows of a step; the scheduler advances each matcher with the sampled token and finishes
-the request with "stop" once the automaton is complete.
+the request with "stop" once the automaton is complete; `guard` then validates each output that finished
+"stop" against the spec it was asked for, before the output processor turns it into text for the caller.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.plan import SampleRow
-from engine.request import Request
+from engine.plan import SampledToken, SampleRow
+from engine.request import Request, RequestStatus
+from engine.scheduler import BASE_SLOT
 from grammar import (
     DEFAULT_BACKEND,
     CompiledGrammar,
@@ -28,6 +33,11 @@ from grammar import (
     fill_bitmasks,
 )
 from wire.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# What a request whose finished output failed the guard is told (the detail goes to the log, with the digest).
+GUARD_ERROR = "internal error: the constrained output did not validate against the requested schema"
 
 
 def spec_for(params: SamplingParams) -> GrammarSpec | None:
@@ -43,9 +53,19 @@ def spec_for(params: SamplingParams) -> GrammarSpec | None:
     return None
 
 
+@dataclass
+class GuardStats:
+    """Finished constrained outputs validated, and those that failed (each one a grammar bug)."""
+
+    checked: int = 0
+    failed: int = 0
+
+
 class StructuredOutputManager:
     def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...], backend: str | None = None) -> None:
         info = TokenizerInfo.from_file(model_dir, eos_token_ids=list(eos_token_ids))
+        self.tokenizer_info = info
+        self.guard_stats = GuardStats()
         self.vocab_size = info.vocab_size
         self.compiler = GrammarCompiler(info, backend=backend or DEFAULT_BACKEND)
         self._pending: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
@@ -57,6 +77,12 @@ class StructuredOutputManager:
         if spec is None:
             return
         self._pending[req.request_id] = (req, self.compiler.submit(spec))
+
+    def admission_gate(self, req: Request, active_slots: set[int]) -> int | None:
+        """Scheduler gate: a constrained request waits (None) until `poll` attached its matcher. Only looks."""
+        if req.sampling_params.has_grammar and req.grammar is None:
+            return None
+        return BASE_SLOT
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -83,6 +109,44 @@ class StructuredOutputManager:
             self._bitmask = allocate_bitmask(max(len(constrained), 2 * self._bitmask.shape[0]), self.vocab_size)
         fill_bitmasks([rows[i].grammar for i in constrained], self._bitmask)  # type: ignore[misc]
         return self._bitmask, constrained
+
+    def guard(self, updates: list[tuple[Request, SampledToken]]) -> list[tuple[str, str]]:
+        """Validate every constrained output that this step finished with "stop"; returns (request id,
+        error) for those that fail. The caller must not report them as "stop": it fails them instead (the
+        scheduler has already released them) with this error. Counts into `guard_stats`; logs each failure
+        with the spec's digest. Mutates nothing else.
+
+        Outputs that ended "length" or "abort" are incomplete by definition and not checked.
+        """
+        failures = []
+        for req, _ in updates:
+            matcher = req.grammar
+            if matcher is None or req.status != RequestStatus.FINISHED_STOPPED or matcher.grammar.guard is None:
+                continue
+            self.guard_stats.checked += 1
+            problem = self._check(req)
+            if problem is not None:
+                self.guard_stats.failed += 1
+                log.error("constrained output failed its guard: request %s, spec %s digest %s: %s", req.request_id,
+                          matcher.grammar.spec.kind, matcher.grammar.guard.digest, problem)
+                failures.append((req.request_id, GUARD_ERROR))
+        return failures
+
+    def _check(self, req: Request) -> str | None:
+        """Why req's output (its token bytes; a final EOS or special stop token left out) fails its guard."""
+        info = self.tokenizer_info
+        ids = list(req.output_token_ids)
+        if ids and info.token_bytes[ids[-1]] is None and (ids[-1] in info.eos_token_ids
+                                                          or ids[-1] in req.sampling_params.stop_token_ids):
+            ids.pop()
+        pieces = [info.token_bytes[i] if 0 <= i < info.vocab_size else None for i in ids]
+        if any(p is None for p in pieces):
+            return "the output holds a special token"
+        try:
+            text = b"".join(pieces).decode("utf-8")  # type: ignore[arg-type]
+        except UnicodeDecodeError:
+            return "the output is not valid UTF-8"
+        return req.grammar.grammar.guard.check(text)  # type: ignore[union-attr]
 
     def shutdown(self) -> None:
         self.compiler.shutdown()

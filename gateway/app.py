@@ -20,18 +20,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig
+from gateway.adapters.resolver import ModelResolver
 from gateway.adapters.routes import AdapterApi, UploadBodySizeLimit
 from gateway.admin.dashboard import KeylessPagesBackend
 from gateway.admin.dashboard import routes as dashboard_routes
 from gateway.admin.routes import routes as admin_routes
-from gateway.admission.base import PriorityClampAdmission, RequestAdmission, StoreUsageReporter, UsageReporter
+from gateway.admission.base import RequestAdmission, StoreUsageReporter, UsageReporter
 from gateway.admission.instrumented import InstrumentedAdmission
 from gateway.auth.backend import ApiKeyBackend, on_auth_error
 from gateway.http.errors import ApiError, error_body
 from gateway.http.middleware import ErrorGuardMiddleware, RequestIdMiddleware
 from gateway.observability.telemetry import TELEMETRY_STATE_KEY, Telemetry, TelemetryMiddleware
 from gateway.observability.tracing import TracedAuthBackend
-from gateway.openai.models import ModelResolver
 from gateway.openai.routes import routes as openai_routes
 from gateway.state import GatewayConfig, GatewayState
 from gateway.store import Store
@@ -40,20 +40,25 @@ from tokenization.tokenizer import Tokenizer
 
 
 def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokenizer: Tokenizer, *,
-              admission: RequestAdmission | None = None, usage: UsageReporter | None = None,
+              admission: RequestAdmission, usage: UsageReporter | None = None,
               resources: Callable[[], AbstractAsyncContextManager] | None = None,
               adapter_uploads: AdapterUploadConfig | None = None,
               telemetry: Telemetry | None = None) -> Starlette:
-    """The gateway app. `resources` (e.g. a worker supervisor) is entered for the app's lifetime;
-    the engine client, and the admission and usage reporter if they have an async `close()`, are closed on
-    shutdown (the usage reporter last, after requests and admission have settled).
-    `telemetry` (metrics, traces, the dashboard's activity window) defaults to one that exports nothing."""
+    """The gateway app over its collaborators, each passed in (nothing is built behind the caller's back):
+    `admission` is the request gate (gateway/admission/settings.py `build_admission`, the same for serve
+    and tests); `usage` records final usage (default: one store write per request); `resources` (e.g. a
+    worker supervisor) is entered for the app's lifetime; `telemetry` (metrics, traces, the dashboard's
+    activity window) defaults to one that exports nothing.
+
+    Shutdown, in order: the admission is closed (lease renewals, quota-store connections), then the engine
+    client, then the usage reporter (its last flush, after every request has settled), then `resources`.
+    """
     telemetry = telemetry or Telemetry()
-    admission = InstrumentedAdmission(admission or PriorityClampAdmission(), telemetry)
+    instrumented = InstrumentedAdmission(admission, telemetry)
     state = GatewayState(
         config=config, store=store, engine=engine, tokenizer=tokenizer,
         resolver=ModelResolver(store, config.served_model_name, int(time.time())),
-        admission=admission, usage=usage or StoreUsageReporter(store),
+        admission=instrumented, usage=usage or StoreUsageReporter(store),
     )
 
     @contextlib.asynccontextmanager
@@ -61,14 +66,10 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
         async with contextlib.AsyncExitStack() as stack:
             if resources is not None:
                 await stack.enter_async_context(resources())
-            close_usage = getattr(state.usage, "close", None)  # e.g. BatchedUsageReporter's last flush
-            if close_usage is not None:
-                stack.push_async_callback(close_usage)
+            stack.push_async_callback(state.usage.close)
             stack.push_async_callback(engine.close)
-            close_admission = getattr(state.admission, "close", None)  # e.g. QuotaAdmission's Redis pool
-            if close_admission is not None:
-                stack.push_async_callback(close_admission)
-            await stack.enter_async_context(telemetry.running(engine, admission.queue))
+            stack.push_async_callback(instrumented.close)
+            await stack.enter_async_context(telemetry.running(engine, instrumented.queue))
             yield {"gateway": state, TELEMETRY_STATE_KEY: telemetry}
 
     async def health(request: Request) -> Response:

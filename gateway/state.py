@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.adapters.resolver import ModelResolver
 from gateway.admission.base import RequestAdmission, UsageReporter
-from gateway.openai.models import ModelResolver
 from gateway.store import Store
 from gateway.workers.client import EngineClient
 from tokenization.tokenizer import Tokenizer

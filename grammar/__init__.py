@@ -10,17 +10,20 @@ Engine use, per constrained request and step:
     fill_bitmasks(matchers, bitmask)                                   # each step, one call
     apply_bitmask(logits, bitmask, rows)                               # before sampling
     matcher.accept_token(sampled_id); matcher.is_terminated()          # after sampling -> "stop"
+    matcher.grammar.guard.check(text)                                  # the finished output: None if valid
 """
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
 from grammar.bitmask import allocate_bitmask, apply_bitmask, bitmask_words, fill_bitmasks
-from grammar.compiler import BACKENDS, DEFAULT_BACKEND, GrammarCompiler
+from grammar.compiler import BACKENDS, DEFAULT_BACKEND, CompileStats, GrammarCompiler
+from grammar.guard import OutputGuard
+from grammar.normalize import NormalizedSchema, NormalizeReport, normalize_schema
 from grammar.spec import GrammarError, GrammarSpec
-from grammar.strictness import check_schema
 from grammar.tokenizer_info import TokenizerInfo
 
 __all__ = [
-    "BACKENDS", "DEFAULT_BACKEND", "CompiledGrammar", "GrammarBackend", "GrammarCompiler", "GrammarError",
-    "GrammarLimits", "GrammarMatcher", "GrammarSpec", "TokenizerInfo", "allocate_bitmask", "apply_bitmask",
-    "bitmask_words", "check_schema", "fill_bitmasks",
+    "BACKENDS", "DEFAULT_BACKEND", "CompileStats", "CompiledGrammar", "GrammarBackend", "GrammarCompiler",
+    "GrammarError", "GrammarLimits", "GrammarMatcher", "GrammarSpec", "NormalizeReport", "NormalizedSchema",
+    "OutputGuard", "TokenizerInfo", "allocate_bitmask", "apply_bitmask", "bitmask_words", "fill_bitmasks",
+    "normalize_schema",
 ]

@@ -3,7 +3,7 @@
 A backend turns a `GrammarSpec` into a `CompiledGrammar` (immutable, cached, shared by requests);
 each request gets its own `GrammarMatcher` from it. Backends differ in which JSON-schema keywords
 they enforce: `unsupported_keywords` lists the ones a backend would silently ignore (found by
-experiment, see grammar/strictness.py), and the strictness check refuses them up front.
+experiment), and grammar/normalize.py rewrites or refuses them up front.
 """
 
 from __future__ import annotations
@@ -11,30 +11,45 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from grammar.spec import GrammarSpec
 from grammar.tokenizer_info import TokenizerInfo
 
+if TYPE_CHECKING:
+    from grammar.guard import OutputGuard
+    from grammar.normalize import NormalizeReport
+
 
 @dataclass(frozen=True)
 class GrammarLimits:
     """Size limits a compile must stay within (the time limit belongs to GrammarCompiler).
 
-    max_spec_chars: longest canonical spec text accepted.
-    max_ref_depth: deepest chain of nested $ref expansions in a schema.
+    max_spec_chars: longest canonical spec text accepted (sized for Kubernetes and SchemaStore schemas,
+        whose descriptions make up most of their text).
+    max_schema_nodes: most subschemas in one schema document.
+    max_ref_depth: deepest chain of nested $ref targets being expanded.
+    max_dependencies: most dependencies / dependentRequired / dependentSchemas entries on one object
+        (each rewrite doubles that object's grammar).
+    max_one_of_overlaps: most branches of a oneOf whose branches may overlap (each branch is then
+        conjoined with the negation of the others: quadratic).
     max_states: largest automaton (outlines-core: index states; llguidance: lexer states).
     max_grammar_symbols: largest context-free grammar (llguidance only).
     """
 
-    max_spec_chars: int = 100_000
-    max_ref_depth: int = 16
+    max_spec_chars: int = 2_000_000
+    max_schema_nodes: int = 100_000
+    max_ref_depth: int = 32
+    max_dependencies: int = 8
+    max_one_of_overlaps: int = 16
     max_states: int = 200_000
-    max_grammar_symbols: int = 200_000
+    max_grammar_symbols: int = 2_000_000
 
     def __post_init__(self) -> None:
-        for name in ("max_spec_chars", "max_ref_depth", "max_states", "max_grammar_symbols"):
+        for name in ("max_spec_chars", "max_schema_nodes", "max_ref_depth", "max_dependencies", "max_one_of_overlaps", "max_states",
+                     "max_grammar_symbols"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GrammarLimits.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -48,6 +63,7 @@ class GrammarMatcher(ABC):
     """
 
     backend: GrammarBackend  # the backend that compiled it (batched fills group by it)
+    grammar: CompiledGrammar  # what it was made from (its output guard checks the finished text)
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
@@ -73,6 +89,9 @@ class CompiledGrammar(ABC):
 
     spec: GrammarSpec
     backend: GrammarBackend
+    # NOTE: set by GrammarCompiler before the grammar is published (returned or cached), never after.
+    guard: OutputGuard | None = None  # validates finished outputs against `spec`
+    report: NormalizeReport | None = None  # what normalizing the schema dropped, rewrote or approximated
 
     @abstractmethod
     def matcher(self) -> GrammarMatcher:
@@ -87,6 +106,8 @@ class GrammarBackend(ABC):
     unsupported_keywords: frozenset[str]
     # formats it enforces for {"type": "string", "format": ...}
     supported_formats: frozenset[str]
+    # of those, the ones it only approximates (the output guard checks them exactly)
+    approximate_formats: frozenset[str] = frozenset()
     # whether a $ref may (indirectly) refer to itself
     supports_recursive_ref: bool
 
@@ -95,8 +116,9 @@ class GrammarBackend(ABC):
         self.limits = limits
 
     @abstractmethod
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile a spec that passed the strictness check. Raises GrammarError. Thread-safe."""
+    def compile(self, spec: GrammarSpec, schema: dict | None = None) -> CompiledGrammar:
+        """Compile `spec`; for a json_schema spec, `schema` is its normalized form (grammar/normalize.py) to
+        compile instead of the spec's own text. Raises GrammarError. Thread-safe."""
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:

@@ -11,22 +11,39 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-
-import llguidance
+from dataclasses import dataclass, field
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits
+from grammar.formats import rust_regex_error
+from grammar.guard import OutputGuard
 from grammar.llguidance_backend import LLGuidanceBackend
+from grammar.normalize import NormalizedSchema, normalize_schema
 from grammar.outlines_backend import OutlinesBackend
 from grammar.spec import GrammarError, GrammarSpec
-from grammar.strictness import check_schema
 from grammar.tokenizer_info import TokenizerInfo
 
 BACKENDS: dict[str, type[GrammarBackend]] = {"llguidance": LLGuidanceBackend, "outlines": OutlinesBackend}
 # Chosen by measurement (bench/grammar.py): fastest cold compile and the widest strict coverage.
 DEFAULT_BACKEND = "llguidance"
+
+
+@dataclass
+class CompileStats:
+    """Counters since the compiler was made (for metrics). Updated under the compiler's lock.
+
+    accepted / refused: json_schema specs that passed / failed normalization and compile (cache hits
+    not counted). ignored_formats: unknown formats dropped as annotations, by value. approximations:
+    keywords left to the output guard, by keyword. rewrites: exact rewrites applied, by kind.
+    """
+
+    accepted: int = 0
+    refused: int = 0
+    ignored_formats: Counter[str] = field(default_factory=Counter)
+    approximations: Counter[str] = field(default_factory=Counter)
+    rewrites: Counter[str] = field(default_factory=Counter)
 
 
 class GrammarCompiler:
@@ -35,11 +52,13 @@ class GrammarCompiler:
     Cache key: (canonical spec, tokenizer fingerprint, backend name). Only successes are cached;
     a failure is re-reported (and recompiled) on each submit. A compile that runs past `timeout_s`
     fails its future with GrammarError; the worker thread finishes in the background (a native
-    compile cannot be interrupted) and its result is dropped.
+    compile cannot be interrupted) and its result is dropped. Each compiled grammar carries the
+    `OutputGuard` of its spec. `allow_approximate`: see grammar/normalize.py.
     """
 
     def __init__(self, tokenizer_info: TokenizerInfo, backend: str = DEFAULT_BACKEND, max_workers: int = 2,
-                 timeout_s: float = 10.0, cache_size: int = 256, limits: GrammarLimits | None = None) -> None:
+                 timeout_s: float = 10.0, cache_size: int = 256, limits: GrammarLimits | None = None,
+                 allow_approximate: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown grammar backend {backend!r}; choose one of {sorted(BACKENDS)}")
         if max_workers < 1 or cache_size < 1 or not timeout_s > 0:
@@ -49,6 +68,8 @@ class GrammarCompiler:
         self.backend: GrammarBackend = BACKENDS[backend](tokenizer_info, self.limits)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
+        self.allow_approximate = allow_approximate
+        self.stats = CompileStats()
         self._cache: OrderedDict[tuple[str, str, str, str], CompiledGrammar] = OrderedDict()
         self._pending: dict[tuple[str, str, str, str], Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
@@ -60,19 +81,41 @@ class GrammarCompiler:
     def _key(self, spec: GrammarSpec) -> tuple[str, str, str, str]:
         return (spec.kind, spec.value, self.tokenizer_info.fingerprint, self.backend.name)
 
-    def check(self, spec: GrammarSpec) -> None:
-        """The cheap synchronous checks (size, strictness); raise GrammarError. Run at submission."""
+    def check(self, spec: GrammarSpec) -> NormalizedSchema | None:
+        """The synchronous checks (size, normalization); raise GrammarError. Run at submission.
+        Returns the normalized schema for json_schema / json_object specs."""
         if len(spec.value) > self.limits.max_spec_chars:
-            raise GrammarError(f"{spec.kind} is too large: {len(spec.value)} characters "
-                               f"(limit {self.limits.max_spec_chars})")
-        if spec.kind == "json_schema":
-            check_schema(spec.schema(), self.backend, self.limits.max_ref_depth)
-        elif spec.kind == "regex":
+            raise GrammarError(f"{spec.kind} is too large: {len(spec.value)} characters, "
+                               f"{len(spec.value) - self.limits.max_spec_chars} over the limit of "
+                               f"{self.limits.max_spec_chars} (GrammarLimits.max_spec_chars)")
+        if spec.kind in ("json_schema", "json_object"):
+            return normalize_schema(spec.schema(), self.backend, self.limits, self.allow_approximate)
+        if spec.kind == "regex":
             # Both backends take Rust regex syntax; llguidance's parser checks it in about a millisecond.
-            error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(spec.value))
+            error = rust_regex_error(spec.value)
             if error:
-                detail = next((ln.strip() for ln in error.splitlines() if ln.strip().startswith("error:")), "")
-                raise GrammarError(f"invalid regex {spec.value!r}: {detail.removeprefix('error: ') or error}")
+                raise GrammarError(f"invalid regex {spec.value!r}: {error}")
+        return None
+
+    def _build(self, spec: GrammarSpec, normalized: NormalizedSchema | None) -> CompiledGrammar:
+        """Pool thread: compile, attach the output guard and the normalization report."""
+        compiled = self.backend.compile(spec, None if normalized is None else normalized.schema)
+        compiled.guard = OutputGuard(spec)
+        compiled.report = None if normalized is None else normalized.report
+        return compiled
+
+    def _count(self, spec: GrammarSpec, normalized: NormalizedSchema | None, ok: bool) -> None:
+        if spec.kind != "json_schema":
+            return
+        with self._lock:
+            if not ok:
+                self.stats.refused += 1
+                return
+            self.stats.accepted += 1
+            if normalized is not None:
+                self.stats.ignored_formats.update(normalized.report.ignored_formats)
+                self.stats.approximations.update(normalized.report.approximations)
+                self.stats.rewrites.update(normalized.report.rewrites)
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """Start compiling `spec` (or find it cached / in flight); never blocks on a compile.
@@ -92,16 +135,20 @@ class GrammarCompiler:
             if key in self._pending:
                 return self._pending[key]
             self.cache_misses += 1
-        self.check(spec)
+        try:
+            normalized = self.check(spec)
+        except GrammarError:
+            self._count(spec, None, ok=False)
+            raise
         outer: Future[CompiledGrammar] = Future()
         with self._lock:
             if key in self._pending:
                 return self._pending[key]
             self._pending[key] = outer
         started = time.monotonic()
-        inner = self._pool.submit(self.backend.compile, spec)
+        inner = self._pool.submit(self._build, spec, normalized)
         self._watchdog.watch(started + self.timeout_s, lambda: self._expire(key, outer, spec))
-        inner.add_done_callback(lambda f: self._finish(key, outer, f, started))
+        inner.add_done_callback(lambda f: self._finish(key, outer, f, started, normalized))
         return outer
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -115,7 +162,8 @@ class GrammarCompiler:
         self._settle(outer, error=GrammarError(
             f"{spec.kind} took longer than the compile time limit of {self.timeout_s:g} s"))
 
-    def _finish(self, key, outer: Future[CompiledGrammar], inner: Future, started: float) -> None:
+    def _finish(self, key, outer: Future[CompiledGrammar], inner: Future, started: float,
+                normalized: NormalizedSchema | None) -> None:
         error = inner.exception()
         if error is None and time.monotonic() - started > self.timeout_s:
             error = GrammarError(f"{key[0]} took longer than the compile time limit of {self.timeout_s:g} s")
@@ -129,6 +177,7 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         if error is not None and not isinstance(error, GrammarError):
             error = GrammarError(f"{key[0]} failed to compile: {type(error).__name__}: {error}")
+        self._count(GrammarSpec(key[0], key[1]), normalized, ok=error is None)
         self._settle(outer, result=None if error else inner.result(), error=error)
 
     @staticmethod

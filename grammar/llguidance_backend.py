@@ -18,7 +18,7 @@ import llguidance
 import torch
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
-from grammar.spec import GrammarError, GrammarSpec
+from grammar.spec import GrammarError, GrammarSpec, canonical_json
 from grammar.tokenizer_info import TokenizerInfo
 
 _SPECIAL_MARKER = b"\xff"
@@ -63,9 +63,10 @@ class _ByteVocabulary:
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammar: LLGuidanceGrammar) -> None:
         self._matcher = matcher
-        self.backend = backend
+        self.backend = grammar.backend
+        self.grammar = grammar
 
     def accept_token(self, token_id: int) -> bool:
         # validate first: consuming a disallowed token would put the matcher in a permanent error state
@@ -97,7 +98,7 @@ class LLGuidanceGrammar(CompiledGrammar):
         self._template = template
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy(), self.backend)
+        return LLGuidanceMatcher(self._template.deep_copy(), self)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -112,6 +113,8 @@ class LLGuidanceBackend(GrammarBackend):
     supported_formats = frozenset(
         {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
     )
+    # Sampling found "2431-11-30t12:29:60z": a leap second outside 23:59 UTC, which RFC 3339 checkers refuse.
+    approximate_formats = frozenset({"date-time", "time"})
     supports_recursive_ref = True
 
     def __init__(self, tokenizer_info: TokenizerInfo, limits: GrammarLimits) -> None:
@@ -130,9 +133,10 @@ class LLGuidanceBackend(GrammarBackend):
             verbose_errors=False,
         )
 
-    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+    def compile(self, spec: GrammarSpec, schema: dict | None = None) -> LLGuidanceGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+            text = spec.value if schema is None else canonical_json(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
         else:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.as_regex())
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits())

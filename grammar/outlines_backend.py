@@ -13,15 +13,16 @@ import torch
 from outlines_core.json_schema import build_regex_from_schema
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
-from grammar.spec import GrammarError, GrammarSpec
+from grammar.spec import GrammarError, GrammarSpec, canonical_json
 from grammar.tokenizer_info import TokenizerInfo
 
 
 class OutlinesMatcher(GrammarMatcher):
-    def __init__(self, index: outlines_core.Index, backend: OutlinesBackend) -> None:
+    def __init__(self, index: outlines_core.Index, grammar: OutlinesGrammar) -> None:
         self._guide = outlines_core.Guide(index)
-        self._eos = backend.tokenizer_info.eos_token_ids
-        self.backend = backend
+        self._eos = grammar.backend.tokenizer_info.eos_token_ids
+        self.backend = grammar.backend
+        self.grammar = grammar
         self._terminated = False
 
     def accept_token(self, token_id: int) -> bool:
@@ -71,7 +72,7 @@ class OutlinesGrammar(CompiledGrammar):
         self._index = index
 
     def matcher(self) -> OutlinesMatcher:
-        return OutlinesMatcher(self._index, self.backend)
+        return OutlinesMatcher(self._index, self)
 
 
 class OutlinesBackend(GrammarBackend):
@@ -98,10 +99,10 @@ class OutlinesBackend(GrammarBackend):
                 by_bytes.setdefault(b, []).append(token_id)
         self._vocabulary = outlines_core.Vocabulary(tokenizer_info.eos_token_ids[0], by_bytes)
 
-    def compile(self, spec: GrammarSpec) -> OutlinesGrammar:
+    def compile(self, spec: GrammarSpec, schema: dict | None = None) -> OutlinesGrammar:
         try:
             if spec.kind in ("json_schema", "json_object"):
-                regex = build_regex_from_schema(spec.value)
+                regex = build_regex_from_schema(spec.value if schema is None else canonical_json(schema))
             else:
                 regex = spec.as_regex()
             index = outlines_core.Index(regex, self._vocabulary)

@@ -5,8 +5,10 @@ The model calls one op per (fused) projection and layer:
     y = base_linear(x)                      # (T, out_features), e.g. fused q|k|v
     add_lora(y, x, weights, meta)           # y[t] += LoRA delta of slot meta.token_slots[t]
 
-Dispatch: Triton kernels (kernels.lora_triton) for CUDA tensors, the grouped torch path otherwise. The
-`*_ref` functions are the per-token torch reference twins the tests compare both against.
+Dispatch: Triton kernels (kernels.lora_triton) for CUDA tensors, the CPU path (kernels.lora_cpu: by slot
+or packed, chosen per batch by measurement) otherwise. The `*_ref` functions are the per-token torch
+reference twins the tests compare both against; they gather every token's padded factors and are slow by
+design, so nothing outside the tests should call them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from kernels.lora_cpu import add_lora_cpu, lora_expand_cpu, lora_shrink_cpu
 from kernels.lora_meta import LoRABatchMeta
 from kernels.lora_weights import LoRAStackedWeights
 
@@ -29,7 +32,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoRAStackedWeights, meta
             y[t, off_i : off_i + n_i] += scaling[s, i] * (x[t] @ A_i[s].T) @ B_i[s].T
         where A_i[s] (r, H_in) and B_i[s] (n_i, r) are as in `LoRAStackedWeights`. Rows with slot -1 and
         slices with rank 0 are untouched. x: (T, H_in), y: (T, sum(n_i)); x, y and the weights share one
-        dtype; accumulation is fp32 on the Triton path and the matmul's own on the CPU path.
+        dtype; accumulation is fp32 on the Triton path and the matmul's own on the CPU path (see
+        `kernels.lora_cpu.add_lora_cpu`).
     """
     _check_operands(y, x, weights, meta)
     if not meta.active_slots:
@@ -39,19 +43,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoRAStackedWeights, meta
 
         lora_triton.add_lora(y, x, weights, meta, _use_segments(meta, "auto"))
         return
-    ranks = weights.ranks.tolist()
-    scaling = weights.scaling.tolist()
-    rank_stride = weights.max_rank
-    for slot, rows in meta.slot_rows:
-        x_rows = x[rows]  # (T_s, H_in)
-        for i, (offset, size) in enumerate(zip(weights.slice_offsets, weights.slice_sizes, strict=True)):
-            rank = ranks[slot][i]
-            if rank == 0:
-                continue
-            a_i = weights.lora_a[slot, i * rank_stride : i * rank_stride + rank]  # (r, H_in)
-            b_i = weights.lora_b[slot, offset : offset + size, :rank]  # (n_i, r)
-            delta = (x_rows @ a_i.T) @ b_i.T  # (T_s, n_i)
-            _add_rows(y[:, offset : offset + size], rows, delta, scaling[slot][i])
+    add_lora_cpu(y, x, weights, meta)
 
 
 def lora_shrink(
@@ -64,7 +56,7 @@ def lora_shrink(
         buf[t, :] = 0 elsewhere (slot -1 rows, padded rank columns).
         x: (T, H_in) -> buf: (T, num_slices * R) float32, R = weights.max_rank.
     mode picks the Triton kernel (per-token BGMV-like or per-segment SGMV-like); "auto" takes segments
-    when segments average >= 4 tokens. The CPU path ignores it.
+    when segments average >= 4 tokens. The CPU path ignores it and computes in fp32.
     """
     _check_operands(None, x, weights, meta)
     use_segments = _use_segments(meta, mode)
@@ -72,17 +64,7 @@ def lora_shrink(
         from kernels import lora_triton
 
         return lora_triton.shrink(x, weights, meta, use_segments)
-    buf = torch.zeros(x.shape[0], weights.lora_a.shape[1], dtype=torch.float32)  # (T, num_slices * R)
-    ranks = weights.ranks.tolist()
-    rank_stride = weights.max_rank
-    for slot, rows in meta.slot_rows:
-        x_rows = x[rows].float()
-        for i in range(weights.num_slices):
-            rank = ranks[slot][i]
-            if rank:
-                a_i = weights.lora_a[slot, i * rank_stride : i * rank_stride + rank].float()
-                buf[rows, i * rank_stride : i * rank_stride + rank] = x_rows @ a_i.T
-    return buf
+    return lora_shrink_cpu(x, weights, meta)
 
 
 def lora_expand(
@@ -104,16 +86,7 @@ def lora_expand(
 
         lora_triton.expand(y, buf, weights, meta, use_segments)
         return
-    ranks = weights.ranks.tolist()
-    scaling = weights.scaling.tolist()
-    rank_stride = weights.max_rank
-    for slot, rows in meta.slot_rows:
-        for i, (offset, size) in enumerate(zip(weights.slice_offsets, weights.slice_sizes, strict=True)):
-            rank = ranks[slot][i]
-            if rank:
-                b_i = weights.lora_b[slot, offset : offset + size, :rank].float()
-                delta = buf[rows, i * rank_stride : i * rank_stride + rank] @ b_i.T
-                _add_rows(y[:, offset : offset + size], rows, delta.to(y.dtype), scaling[slot][i])
+    lora_expand_cpu(y, buf, weights, meta)
 
 
 def lora_shrink_ref(x: torch.Tensor, weights: LoRAStackedWeights, token_slots: torch.Tensor) -> torch.Tensor:
@@ -150,13 +123,6 @@ def _rank_mask(weights: LoRAStackedWeights, slots: torch.Tensor, valid: torch.Te
     ranks = weights.ranks[slots]  # (T, num_slices)
     j = torch.arange(weights.max_rank, device=slots.device)
     return ((j[None, None, :] < ranks[:, :, None]) & valid[:, None, None]).float()
-
-
-def _add_rows(y_cols: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor, scale: float) -> None:
-    if isinstance(rows, slice):
-        y_cols[rows].add_(delta, alpha=scale)
-    else:
-        y_cols.index_add_(0, rows, delta, alpha=scale)
 
 
 def _use_segments(meta: LoRABatchMeta, mode: Mode) -> bool:

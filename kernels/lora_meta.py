@@ -26,6 +26,8 @@ class LoRABatchMeta:
     # CPU grouping: (slot, rows) per active slot; rows is a slice when the slot owns one segment, else an
     # int64 index tensor. Empty when the meta lives on an accelerator (the Triton kernels do not need it).
     slot_rows: tuple[tuple[int, slice | torch.Tensor], ...]
+    # CPU: the segments (start, end) of each slot of slot_rows, in the same order; empty on accelerators.
+    slot_segments: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.token_slots.dim() != 1:
@@ -89,13 +91,19 @@ class LoRABatchMeta:
         bounds = [*starts, len(slots)]
         active = sorted({s for s in slots if s != NO_ADAPTER})
         slot_rows: list[tuple[int, slice | torch.Tensor]] = []
+        slot_segments: list[tuple[tuple[int, int], ...]] = []
         if device.type == "cpu":
+            owned: dict[int, list[int]] = {slot: [] for slot in active}
+            for s, seg_slot in enumerate(seg_slots):
+                if seg_slot != NO_ADAPTER:
+                    owned[seg_slot].append(s)
             for slot in active:
-                owned = [s for s, seg_slot in enumerate(seg_slots) if seg_slot == slot]
-                if len(owned) == 1:
-                    slot_rows.append((slot, slice(bounds[owned[0]], bounds[owned[0] + 1])))
+                segments = tuple((bounds[s], bounds[s + 1]) for s in owned[slot])
+                slot_segments.append(segments)
+                if len(segments) == 1:
+                    slot_rows.append((slot, slice(*segments[0])))
                 else:
-                    rows = [t for s in owned for t in range(bounds[s], bounds[s + 1])]
+                    rows = [t for start, end in segments for t in range(start, end)]
                     slot_rows.append((slot, torch.tensor(rows, dtype=torch.int64)))
 
         def as_tensor(values: list[int]) -> torch.Tensor:
@@ -108,4 +116,5 @@ class LoRABatchMeta:
             active_slots=tuple(active),
             max_segment_len=max((bounds[s + 1] - bounds[s] for s in range(len(seg_slots))), default=0),
             slot_rows=tuple(slot_rows),
+            slot_segments=tuple(slot_segments),
         )

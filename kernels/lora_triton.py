@@ -5,6 +5,10 @@ so the reduction loop of expand and the A rows of shrink stop at the real rank (
 skipped, never computed into the result). Whether rank groups (one launch per rank) beat this must be
 measured on a GPU; under the interpreter timings mean nothing.
 
+Launch configurations come from SHRINK_CONFIGS and EXPAND_CONFIGS only; `compile_variants()` lists each in
+each dtype for the ahead-of-time compile check (kernels.triton_aot). Shrink tiles the rank axis (at most
+MAX_RANK_TILE columns per program), so any max rank uses one of a few compiled variants.
+
 NOTE: `@triton.jit` decides interpreted vs compiled at import (TRITON_INTERPRET); `kernels.lora` imports
 this module lazily, on CUDA tensors only.
 """
@@ -16,6 +20,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from kernels.launch_config import DATA_DTYPES, KernelVariant, LaunchConfig, variant
 from kernels.lora_meta import LoRABatchMeta
 from kernels.lora_weights import LoRAStackedWeights
 
@@ -23,11 +28,12 @@ from kernels.lora_weights import LoRAStackedWeights
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, buf_ptr, ranks_ptr, row_starts_ptr, row_slots_ptr,
-    in_features, max_rank,
+    in_features, max_rank, num_r_tiles,
     stride_x, stride_a_slot, stride_a_rank, stride_buf, stride_ranks_slot,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Rows row_starts[g] : row_starts[g+1] all use slot row_slots[g]; one program per (group g, slice i, row tile).
+    """Rows row_starts[g] : row_starts[g+1] all use slot row_slots[g]; one program per (group g, slice i x
+    rank tile, row tile), a rank tile being BLOCK_R of the R = max_rank columns of slice i.
 
     Semantics:
         buf[t, i*R + j] = sum_k x[t, k] * A[s, i*R + j, k]   for j < ranks[s, i], s = row_slots[g] >= 0
@@ -36,7 +42,8 @@ def _shrink_kernel(
     DOT_FP32 upcasts x and A before tl.dot (fp32 inputs; the interpreter's low-precision dots are wrong).
     """
     group = tl.program_id(0)
-    slice_idx = tl.program_id(1)
+    slice_idx = tl.program_id(1) // num_r_tiles
+    r_start = (tl.program_id(1) % num_r_tiles) * BLOCK_R
     row_start = tl.load(row_starts_ptr + group)
     row_end = tl.load(row_starts_ptr + group + 1)
     rows = row_start + tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -45,14 +52,14 @@ def _shrink_kernel(
     slot = tl.load(row_slots_ptr + group)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_ranks_slot + slice_idx)
     rank = tl.where(slot >= 0, rank, 0)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = r_start + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = rows < row_end
     mask_r = offs_r < rank
     a_base = a_ptr + tl.maximum(slot, 0) * stride_a_slot + (slice_idx * max_rank + offs_r) * stride_a_rank
 
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    k_end = tl.where(rank > 0, in_features, 0)  # no adapter or no rank: skip the reduction entirely
+    k_end = tl.where(r_start < rank, in_features, 0)  # no adapter, or the rank ends before this tile: zeros
     for k in range(0, k_end, BLOCK_K):
         mask_k = k + offs_k < in_features
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k + offs_k)[None, :],
@@ -123,6 +130,57 @@ def _expand_kernel(
     tl.store(y_ptrs, (y + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+# BLOCK_M: 1 = one token per program (a matrix-vector product, no tl.dot), else rows of a segment.
+ROW_TILES = (1, 16, 32)
+# BLOCK_R of shrink: the smallest tile holding max_rank, at most MAX_RANK_TILE (larger ranks take several).
+RANK_TILES = (16, 32, 64)
+MAX_RANK_TILE = RANK_TILES[-1]
+
+
+
+def _shrink_launch(block_m: int, block_r: int, fp32: bool) -> LaunchConfig:
+    # A narrower K tile where the x and A tiles would otherwise spill registers, or sit at the 255 ceiling
+    # (python -m kernels.triton_aot): fp32 reduces by FMAs (ieee dots), which hold more in registers.
+    narrow = block_m > 1 and block_r > 32 and (fp32 or block_m * block_r >= 2048)
+    return LaunchConfig.of(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=32 if narrow else 64)
+
+
+# (BLOCK_M, BLOCK_R, fp32 data) -> launch
+SHRINK_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
+    (block_m, block_r, fp32): _shrink_launch(block_m, block_r, fp32)
+    for block_m in ROW_TILES for block_r in RANK_TILES for fp32 in (False, True)
+}
+# (BLOCK_M, fp32 data) -> launch
+EXPAND_CONFIGS: dict[tuple[int, bool], LaunchConfig] = {
+    (block_m, fp32): LaunchConfig.of(BLOCK_M=block_m, BLOCK_N=64, BLOCK_R=16)
+    for block_m in ROW_TILES for fp32 in (False, True)
+}
+
+
+def shrink_config(rows_per_group: int, max_rank: int, dtype: torch.dtype) -> LaunchConfig:
+    """The SHRINK_CONFIGS entry for groups of up to `rows_per_group` rows and slots padded to `max_rank`."""
+    block_r = min(MAX_RANK_TILE, max(RANK_TILES[0], triton.next_power_of_2(max_rank)))
+    return SHRINK_CONFIGS[(_block_m(rows_per_group), block_r, dtype == torch.float32)]
+
+
+def expand_config(rows_per_group: int, dtype: torch.dtype) -> LaunchConfig:
+    """The EXPAND_CONFIGS entry for groups of up to `rows_per_group` rows."""
+    return EXPAND_CONFIGS[(_block_m(rows_per_group), dtype == torch.float32)]
+
+
+def compile_variants() -> list[KernelVariant]:
+    """Every (kernel, launch config, dtype) the dispatch below can launch, for kernels.triton_aot."""
+    variants = []
+    for dtype in DATA_DTYPES:
+        fp32 = dtype == "fp32"
+        flags = {"DOT_FP32": _dot_fp32(DATA_DTYPES[dtype])}
+        variants += [variant(_shrink_kernel, dtype, config, flags, ("x_ptr", "a_ptr"), ("buf_ptr",))
+                     for (_, _, is_fp32), config in SHRINK_CONFIGS.items() if is_fp32 == fp32]
+        variants += [variant(_expand_kernel, dtype, config, flags, ("b_ptr", "y_ptr"), ("buf_ptr", "scaling_ptr"))
+                     for (_, is_fp32), config in EXPAND_CONFIGS.items() if is_fp32 == fp32]
+    return variants
+
+
 def _row_groups(meta: LoRABatchMeta, use_segments: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(row_starts, row_slots, rows per group at most) for segment or per-token launches."""
     if use_segments:
@@ -150,14 +208,14 @@ def shrink(x: torch.Tensor, weights: LoRAStackedWeights, meta: LoRABatchMeta, us
     row_starts, row_slots, rows_per_group = _row_groups(meta, use_segments)
     if meta.num_tokens == 0:
         return buf
-    block_m = _block_m(rows_per_group)
-    grid = (row_slots.shape[0], weights.num_slices, triton.cdiv(rows_per_group, block_m))
+    config = shrink_config(rows_per_group, weights.max_rank, x.dtype)
+    num_r_tiles = triton.cdiv(weights.max_rank, config["BLOCK_R"])
+    grid = (row_slots.shape[0], weights.num_slices * num_r_tiles, triton.cdiv(rows_per_group, config["BLOCK_M"]))
     _shrink_kernel[grid](
         x, weights.lora_a, buf, weights.ranks, row_starts, row_slots,
-        weights.in_features, weights.max_rank,
+        weights.in_features, weights.max_rank, num_r_tiles,
         x.stride(0), weights.lora_a.stride(0), weights.lora_a.stride(1), buf.stride(0), weights.ranks.stride(0),
-        DOT_FP32=_dot_fp32(x.dtype), BLOCK_M=block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(weights.max_rank)), BLOCK_K=64,
+        DOT_FP32=_dot_fp32(x.dtype), **config.launch_kwargs(),
     )
     return buf
 
@@ -173,19 +231,18 @@ def expand(
     if meta.num_tokens == 0:
         return
     row_starts, row_slots, rows_per_group = _row_groups(meta, use_segments)
-    block_m = _block_m(rows_per_group)
-    block_n = 64
-    num_n_tiles = triton.cdiv(max(weights.slice_sizes), block_n)
+    config = expand_config(rows_per_group, weights.lora_b.dtype)
+    num_n_tiles = triton.cdiv(max(weights.slice_sizes), config["BLOCK_N"])
     slice_offsets = torch.tensor(weights.slice_offsets, dtype=torch.int32, device=y.device)
     slice_sizes = torch.tensor(weights.slice_sizes, dtype=torch.int32, device=y.device)
-    grid = (row_slots.shape[0], weights.num_slices * num_n_tiles, triton.cdiv(rows_per_group, block_m))
+    grid = (row_slots.shape[0], weights.num_slices * num_n_tiles, triton.cdiv(rows_per_group, config["BLOCK_M"]))
     _expand_kernel[grid](
         buf, weights.lora_b, y, weights.ranks, weights.scaling, slice_offsets, slice_sizes,
         row_starts, row_slots,
         weights.max_rank, num_n_tiles,
         buf.stride(0), weights.lora_b.stride(0), weights.lora_b.stride(1), y.stride(0),
         weights.ranks.stride(0), weights.scaling.stride(0),
-        DOT_FP32=_dot_fp32(weights.lora_b.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=16,
+        DOT_FP32=_dot_fp32(weights.lora_b.dtype), **config.launch_kwargs(),
     )
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,6 +20,8 @@ class LoRAStackedWeights:
     with R = max_rank, n_i = slice_sizes[i], off_i = sum(slice_sizes[:i]). A slice with rank 0 is not
     adapted by that slot. The kernels never read past a slot's rank, so padding content is irrelevant.
     The tensors are written in place by `write_slot` / `clear_slot`; the fields themselves never change.
+    NOTE: write slots only through `write_slot` / `clear_slot`: they also drop `cpu_cache`, the CPU path's
+    host copy of ranks and scaling and its packed factors (kernels.lora_cpu), which would otherwise go stale.
     """
 
     lora_a: torch.Tensor  # (num_slots, num_slices * max_rank, in_features)
@@ -26,6 +29,9 @@ class LoRAStackedWeights:
     scaling: torch.Tensor  # (num_slots, num_slices) float32, alpha / r per slot and slice
     ranks: torch.Tensor  # (num_slots, num_slices) int32, 0 = slice not adapted
     slice_sizes: tuple[int, ...]  # output width of each slice, e.g. (q, k, v) or (gate, up)
+    # Derived data of the CPU path keyed by what it was built from; owned by kernels.lora_cpu, emptied on
+    # every slot write. Not an init argument, so dataclasses.replace() starts an empty one.
+    cpu_cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.lora_a.dim() != 3 or self.lora_b.dim() != 3:
@@ -113,6 +119,7 @@ class LoRAStackedWeights:
         Mutates this slot's rows of every buffer (padding is zeroed); other slots are untouched.
         """
         self._check_slot(slot)
+        self.cpu_cache.clear()
         if len(a) != self.num_slices or len(b) != self.num_slices:
             raise ValueError(f"expected {self.num_slices} A and B matrices, got {len(a)} and {len(b)}")
         scales = [float(scaling)] * self.num_slices if isinstance(scaling, int | float) else list(scaling)
@@ -139,6 +146,7 @@ class LoRAStackedWeights:
     def clear_slot(self, slot: int) -> None:
         """Zero one slot (rank 0 everywhere): tokens routed to it get no LoRA delta."""
         self._check_slot(slot)
+        self.cpu_cache.clear()
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.scaling[slot].zero_()

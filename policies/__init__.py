@@ -1,6 +1,7 @@
 """Tenant limits, quota accounting (memory and Redis behind one interface), failover, and the fair queue.
 
-Gateway wiring, per request:
+Gateway wiring, per request (gateway/admission/ composes these steps as ordered gates):
+    policy = tenant.policy                                             # one TenantPolicy, parsed by the store
     priority = policy.resolve_priority(body.priority)                  # PriorityNotAllowed -> 400
     admission = await quota.admit(tenant, policy, prompt_tokens, max_tokens)   # RequestTooLarge -> 400,
     headers = admission_headers(admission)                             # QuotaUnavailable -> 503
@@ -26,12 +27,12 @@ from policies.quota import (
     TenantUsage,
 )
 from policies.redis_quota import RedisQuotaBackend
-from policies.tenant_policy import PriorityNotAllowed, RequestTooLarge, TenantPolicy
+from policies.tenant_policy import InvalidPolicy, PriorityNotAllowed, RequestTooLarge, TenantPolicy
 from policies.usage_ledger import SqliteUsageLedger, UsageLedger
 
 __all__ = [
     "Admission", "FailoverConfig", "FailoverQuotaBackend", "FailureMode", "FairQueue", "FairQueueConfig",
-    "Lease", "MemoryQuotaBackend", "PriorityNotAllowed", "QueueFull", "QueueTimeout", "QuotaBackend",
+    "InvalidPolicy", "Lease", "MemoryQuotaBackend", "PriorityNotAllowed", "QueueFull", "QueueTimeout", "QuotaBackend",
     "QuotaConfig", "QuotaUnavailable", "RateLimitSnapshot", "RedisQuotaBackend", "RefusalReason",
     "RequestTooLarge", "SqliteUsageLedger", "TenantPolicy", "TenantUsage", "Ticket", "UsageLedger",
     "admission_headers", "refusal_body", "retry_after_headers", "unavailable_body",

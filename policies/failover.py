@@ -67,13 +67,12 @@ class FailoverConfig:
 class FailoverQuotaBackend(QuotaBackend):
     UNREACHABLE: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
-    def __init__(self, shared: QuotaBackend, config: FailoverConfig | None = None,
-                 local: MemoryQuotaBackend | None = None, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, shared: QuotaBackend, config: FailoverConfig | None = None, *,
+                 quota_config: QuotaConfig | None = None, monotonic: Callable[[], float] = time.monotonic) -> None:
+        """`quota_config` is the shared backend's (lease ttl, retry hints): the local fallback uses the same."""
         self.config = config or FailoverConfig()
         self._shared = shared
-        shared_config = getattr(shared, "config", None)
-        self._local = local or MemoryQuotaBackend(
-            shared_config if isinstance(shared_config, QuotaConfig) else None, origin=LOCAL_ORIGIN)
+        self._local = MemoryQuotaBackend(quota_config, origin=LOCAL_ORIGIN)
         self._monotonic = monotonic
         self._down_until: float | None = None  # while set and in the future, skip the shared store
         self.fallback_admissions = 0
@@ -149,5 +148,10 @@ class FailoverQuotaBackend(QuotaBackend):
             raise QuotaUnavailable("quota store unreachable; usage unknown", self.config.unavailable_retry_after_s)
         return await self._local.usage(tenant_id, now)
 
+    def stats(self) -> dict[str, int | bool]:
+        return {"degraded": self.degraded, "outages": self.outages, "fallback_admissions": self.fallback_admissions,
+                "refused_unavailable": self.refused_unavailable, "lost_updates": self.lost_updates}
+
     async def close(self) -> None:
         await self._shared.close()
+        await self._local.close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 
 from policies.usage_ledger import UsageLedger
 
@@ -32,16 +31,6 @@ Deltas = dict[tuple[str, str], int]  # (tenant id, period key) -> tokens to add 
 
 class LedgerWriteFailed(RuntimeError):
     """A batch of budget deltas could not be committed (nothing of that batch is in the ledger)."""
-
-
-def write_batch(ledger: UsageLedger, deltas: Mapping[tuple[str, str], int]) -> None:
-    """All of `deltas` in one transaction when the ledger can (`add_many`), else one add each."""
-    add_many = getattr(ledger, "add_many", None)
-    if callable(add_many):
-        add_many(deltas)
-        return
-    for (tenant_id, period), delta in deltas.items():
-        ledger.add(tenant_id, period, delta)
 
 
 class GroupCommitLedger:
@@ -92,7 +81,7 @@ class GroupCommitLedger:
             self._open, self._open_batch = {}, None
             assert batch is not None
             try:
-                await asyncio.to_thread(write_batch, self.ledger, deltas)
+                await asyncio.to_thread(self.ledger.add_many, deltas)
             except Exception as e:
                 log.error("budget ledger: a batch of %d deltas could not be committed: %s", len(deltas), e)
                 batch.set_exception(LedgerWriteFailed(f"the budget ledger could not be written: {e}"))

@@ -157,8 +157,12 @@ class QuotaBackend(ABC):
     async def usage(self, tenant_id: str, now: float | None = None) -> TenantUsage:
         """Current usage; does not modify anything."""
 
+    def stats(self) -> dict[str, int | bool]:
+        """Counters of the backend's own state (failover outages, ...); the default has none."""
+        return {}
+
     async def close(self) -> None:
-        """Release connections; the default holds none."""
+        """Release connections and wait for pending writes; the default holds none."""
         return None
 
 

@@ -4,8 +4,8 @@ A UsageLedger stores, per (tenant, period key), the tokens booked so far ("d:202
 MemoryQuotaBackend makes every change of a budgeted tenant durable before it answers (a reservation at
 admission, the refund or surcharge at reconcile), group-committed through policies.ledger_writer, and reads a
 counter back the first time it needs it after a restart, so a restart loses nothing that was counted. The
-gateway's store may implement the protocol itself (two methods; `add_many` is optional and makes a batch
-one transaction); SqliteUsageLedger is the embedded default.
+gateway's store may implement the protocol itself (three methods; `add_many` makes a batch one
+transaction); SqliteUsageLedger is the embedded default.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ class UsageLedger(Protocol):
 
     def add(self, tenant_id: str, period: str, delta: int) -> None:
         """Durably add `delta` (may be negative) before returning."""
+        ...
+
+    def add_many(self, deltas: Mapping[tuple[str, str], int]) -> None:
+        """Durably add every (tenant id, period) delta in one transaction: all of them or none."""
         ...
 
 

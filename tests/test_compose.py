@@ -1,8 +1,9 @@
 """docker-compose.yml parses, and what it asks of loraplex is what the CLI accepts.
 
-Docker is not needed: every gateway and worker `command:` is parsed by `gateway.cli.main.build_parser()`
-with that service's environment, and every LORAPLEX_* variable must be one the parser (or the worker
-secret) reads. The topology the issue asks for is checked too: redis, two gateways behind one
+Docker is not needed: every gateway and worker `command:` is parsed, with that service's environment,
+by the parser that will parse it in the container: `gateway.cli.main.build_parser()` for `serve`, and
+`worker.cli.build_parser()` for `worker` (the `loraplex` entrypoint hands `worker ...` to the worker's
+own command). Every LORAPLEX_* variable of a service must be one its parser (or the worker secret) reads. The topology the issue asks for is checked too: redis, two gateways behind one
 published port, two GPU workers with a CPU fallback profile, a collector, Prometheus with a scrape
 config, and volumes for the data dir and adapter storage shared at the same path.
 """
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.cli.main import build_parser
+from gateway.cli.main import WORKER_COMMAND, build_parser
 from gateway.workers.supervisor import SECRET_ENV
+from worker import cli as worker_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS_FOR_REQUIRED = {"LORAPLEX_WORKER_SECRET": "compose-test-secret", "LORAPLEX_MODEL_DIR": "/srv/model"}
@@ -87,9 +89,23 @@ def loraplex_services(compose: dict, command: str) -> dict[str, dict]:
             if s.get("image") == "loraplex:latest" and s.get("command", ["serve"])[0] == command}
 
 
-def known_env_names() -> set[str]:
+def parse_command(command: list[str], env: Mapping[str, str]):
+    """What the container's `loraplex COMMAND...` parses to (SystemExit on any bad flag)."""
+    if command[:1] == [WORKER_COMMAND]:
+        args = worker_cli.build_parser(env).parse_args(command[1:])
+        args.command = WORKER_COMMAND
+        return args
+    return build_parser(env).parse_args(command)
+
+
+def known_env_names(command: str) -> set[str]:
+    """The LORAPLEX_* variables the parser of `loraplex COMMAND` reads, and the worker secret."""
     recorder = RecordingEnv({})
-    build_parser(recorder)
+    if command == WORKER_COMMAND:
+        worker_cli.build_parser(recorder)
+        assert worker_cli.SECRET_ENV == SECRET_ENV  # the gateway sets what the worker reads
+    else:
+        build_parser(recorder)
     return recorder.asked | {SECRET_ENV}
 
 
@@ -120,9 +136,12 @@ def test_the_topology_the_issue_asks_for(compose):
 
 
 def test_every_loraplex_variable_is_one_the_cli_reads(compose):
-    known = known_env_names()
-    assert {"LORAPLEX_ROUTING", "LORAPLEX_DISCOVER_WORKERS", "LORAPLEX_REGISTER_REDIS_URL"} <= known
+    assert {"LORAPLEX_ROUTING", "LORAPLEX_DISCOVER_WORKERS"} <= known_env_names("serve")
+    assert "LORAPLEX_REGISTER_REDIS_URL" in known_env_names(WORKER_COMMAND)
     for name, service in compose["services"].items():
+        if service.get("image") != "loraplex:latest":
+            continue
+        known = known_env_names(service.get("command", ["serve"])[0])
         unknown = {k for k in environment(service) if k.startswith("LORAPLEX_")} - known
         assert not unknown, f"{name}: the CLI reads no {sorted(unknown)}"
 
@@ -130,7 +149,7 @@ def test_every_loraplex_variable_is_one_the_cli_reads(compose):
 def test_gateway_commands_parse_and_discover_the_workers(compose):
     for name, service in loraplex_services(compose, "serve").items():
         env = environment(service)
-        args = build_parser(env).parse_args(service["command"])  # SystemExit on any bad flag
+        args = parse_command(service["command"], env)
         assert args.command == "serve", name
         assert args.redis_url == "redis://redis:6379/0" and args.discover_workers, name
         assert args.routing == "cache_aware" and args.host == "0.0.0.0" and args.port == 8000, name
@@ -145,7 +164,7 @@ def test_worker_commands_parse_and_advertise_their_own_service(compose):
     gateway_mounts = mounts(compose["services"]["gateway-1"])
     for name, service in loraplex_services(compose, "worker").items():
         env = environment(service)
-        args = build_parser(env).parse_args(service["command"])
+        args = parse_command(service["command"], env)
         assert args.command == "worker", name
         assert args.register_redis_url == "redis://redis:6379/0", name
         assert args.advertise_url == f"http://{name}:{args.port}", name  # gateways reach it by service name
@@ -160,5 +179,17 @@ def test_worker_commands_parse_and_advertise_their_own_service(compose):
 def test_the_check_would_catch_a_wrong_flag_or_variable(compose):
     service = compose["services"]["worker-1"]
     with pytest.raises(SystemExit):
-        build_parser(environment(service)).parse_args([*service["command"], "--no-such-flag"])
-    assert "LORAPLEX_NO_SUCH_SETTING" not in known_env_names()
+        parse_command([*service["command"], "--no-such-flag"], environment(service))
+    with pytest.raises(SystemExit):
+        parse_command([*service["command"], "--discover-workers"], environment(service))  # a gateway flag
+    assert "LORAPLEX_NO_SUCH_SETTING" not in known_env_names(WORKER_COMMAND) | known_env_names("serve")
+
+
+def test_the_image_copies_every_package():
+    """The Dockerfile copies each top-level package that pyproject.toml installs (a new one is not forgotten)."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (REPO / "Dockerfile").read_text(), re.MULTILINE))
+    assert packages <= copied, f"the Dockerfile does not copy {sorted(packages - copied)}"

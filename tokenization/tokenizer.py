@@ -1,22 +1,30 @@
-"""Tokenizer (tokenizer.json via `tokenizers`), sandboxed chat templates, incremental detokenization."""
+"""Tokenizer (tokenizer.json via `tokenizers`), chat prompts, incremental detokenization.
+
+Chat prompts: the checkpoint's template (tokenization/chat_template.py) renders the messages, and only
+the template's own markup becomes control tokens; the same strings typed by a user or a tool are
+tokenized as text (tokenization/control_tokens.py). An operator can allow them
+(`special_tokens_in_content=True`) for clients that are trusted to write markup.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime
+import logging
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from tokenization.chat_template import ChatTemplate, ChatTemplateError, find_chat_template
+from tokenization.control_tokens import ControlTokens
 from wire.checkpoint import CheckpointError
 
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
 
-class ChatTemplateError(ValueError):
-    pass
+log = logging.getLogger(__name__)
 
 
 def _token_text(value: Any) -> str | None:
@@ -26,9 +34,15 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """Encode, decode and render chat prompts the way the checkpoint's own files say."""
+    """Encode, decode and render chat prompts the way the checkpoint's own files say.
 
-    def __init__(self, model_dir: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> None:
+    `chat_template`: a template file that replaces the checkpoint's (the operator's `--chat-template`).
+    A checkpoint template that does not compile leaves the model without one (chat requests are
+    refused with the compile error); an override that does not compile raises ChatTemplateError.
+    """
+
+    def __init__(self, model_dir: str | Path, extra_eos_ids: tuple[int, ...] = (), *,
+                 chat_template: str | Path | None = None, special_tokens_in_content: bool = False) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -39,29 +53,46 @@ class Tokenizer:
             raise CheckpointError(f"{tok_file}: cannot be loaded ({e})") from None
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates: take "default"
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default") or next(iter(named.values()))
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids: tuple[int, ...] = tuple(sorted({*extra_eos_ids, *([] if eos_id is None else [eos_id])}))
-        self.special_token_ids = frozenset(
-            tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
-        )
+        added = self._tok.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(tid for tid, tok in added.items() if tok.special)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.fingerprint = hashlib.sha256(tok_file.read_bytes()).hexdigest()[:16]
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._env.globals["raise_exception"] = _raise
-        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template: Template | None = None
+        self.special_tokens_in_content = special_tokens_in_content
+        self.chat_template, self._template_error = self._load_template(path, chat_template)
+        # Markup: every special added token, and the other added tokens the template writes itself
+        # (Qwen's <tool_call> is not special, yet a user must not open a call with it).
+        literal = self.chat_template.literal_text() if self.chat_template else ""
+        self.control_tokens = ControlTokens(
+            tok.content for tok in added.values()
+            if tok.special or (tok.content in literal and not tok.content.isspace()))
+        self._text_tok: HFTokenizer | None = None  # built on first use: control tokens read as text
+        self._text_tok_lock = threading.Lock()
+
+    def _load_template(self, path: Path, override: str | Path | None) -> tuple[ChatTemplate | None, str]:
+        try:
+            source = find_chat_template(path, override)
+            if source is None:
+                return None, "this model has no chat template; use the completions API"
+            return ChatTemplate(source, self.bos_token, self.eos_token), ""
+        except ChatTemplateError as e:
+            if override is not None:
+                raise
+            log.warning("%s", e)
+            return None, str(e)
 
     @property
     def backend(self) -> HFTokenizer:
         return self._tok
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token given by its vocabulary string (an added token's content), or None."""
+        return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -69,28 +100,64 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as plain text: the control tokens' strings in it are split into ordinary tokens."""
+        return self._plain_text_tokenizer().encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = [i for i in ids if 0 <= i < self.vocab_size]  # padded model vocab rows decode to nothing
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    # ----- chat prompts -----------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text the template renders. Raises ChatTemplateError."""
+        return self.control_tokens.restore(self._render_marked(messages, tools, add_generation_prompt, template_kwargs))
+
+    def encode_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The prompt's token ids: the template's markup as control tokens, every string the request
+        supplied as text (unless `special_tokens_in_content`). The rendered text holds BOS where the
+        template writes it, so nothing is added. Raises ChatTemplateError."""
+        text = self._render_marked(messages, tools, add_generation_prompt, template_kwargs)
+        if not self.control_tokens.has_markers(text):
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece, is_control in self.control_tokens.split(text):
+            if is_control:
+                ids += self._tok.encode(piece, add_special_tokens=False).ids
+            elif self.control_tokens.has_markers(piece):
+                ids += self.encode_text(self.control_tokens.restore(piece))
+            else:
+                ids += self._tok.encode(piece, add_special_tokens=False).ids
+        return ids
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """Render messages with the checkpoint's template in a sandboxed Jinja environment."""
-        if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; use the completions API")
-        try:
-            if self._template is None:
-                self._template = self._env.from_string(self.chat_template)
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
-            )
-        except TemplateError as e:
-            raise ChatTemplateError(f"chat template failed: {e}") from None
+        """`render_chat` with transformers' spelling (`tools=` and template kwargs as keywords)."""
+        tools = kwargs.pop("tools", None)
+        return self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                template_kwargs=kwargs)
 
+    def _render_marked(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError(self._template_error)
+        if not self.special_tokens_in_content:
+            messages, tools = self.control_tokens.mark(messages), self.control_tokens.mark(tools)
+            template_kwargs = self.control_tokens.mark(dict(template_kwargs or {}))
+        return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         kwargs=template_kwargs)
 
-def _raise(message: str) -> None:
-    raise TemplateError(message)
+    def _plain_text_tokenizer(self) -> HFTokenizer:
+        """The same tokenizer without the control tokens among its added tokens (built once)."""
+        with self._text_tok_lock:
+            if self._text_tok is None:
+                data = json.loads(self._tok.to_str())
+                data["added_tokens"] = [t for t in data.get("added_tokens", []) if t["content"] not in self.control_tokens]
+                self._text_tok = HFTokenizer.from_str(json.dumps(data))
+            return self._text_tok
 
 
 class IncrementalDetokenizer:
@@ -98,7 +165,8 @@ class IncrementalDetokenizer:
 
     Keeps a small window [prefix_offset, read_offset) of already-emitted tokens as context so that
     tokenizers which strip a leading space (SentencePiece "▁") or merge bytes across tokens (byte-level
-    BPE, <0xNN> byte fallback) decode each new piece exactly as a full decode would.
+    BPE, <0xNN> byte fallback) decode each new piece exactly as a full decode would. Only that window
+    and the tokens not yet decodable are kept: each `add` costs the same at any position in the output.
     """
 
     CONTEXT_TOKENS = 5
@@ -110,7 +178,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(tail)
         self.prefix_offset = 0
         self.read_offset = len(tail)
-        self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; returns the newly decodable text (possibly empty)."""
@@ -121,9 +188,8 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        self.text += delta
+        del self.ids[: self.read_offset]  # NOTE: what is before the new window is never read again
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
         return delta
 
     def flush(self) -> str:
@@ -133,6 +199,6 @@ class IncrementalDetokenizer:
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
         new_text = decode(self.ids[self.prefix_offset :], self.skip_special)
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
+        del self.ids[: self.read_offset]
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
         return delta

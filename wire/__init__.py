@@ -1,1 +1,3 @@
-"""The torch-free protocol a gateway and an engine worker share: sampling settings, requests, deltas, errors."""
+"""The torch-free protocol a gateway and an engine worker share: one sampling spec (sampling.py), typed
+requests and deltas (protocol.py), one error taxonomy (errors.py), and the checkpoint shape (checkpoint.py).
+"""

@@ -1,12 +1,15 @@
 """The worker wire protocol: what a gateway sends an engine worker and what streams back.
 
-Plain dataclasses that round-trip through JSON (`to_json` / `from_json`). The same messages flow through
-the in-process client and over HTTP, where `POST /generate` answers with NDJSON: one `GenerateDelta`
-per line until one has `finished=True`, or a `GenerateError` line if the request fails. The gateway
-imports this module (and nothing else of the engine's internals) to talk to workers.
+Typed messages with JSON codecs. The same objects flow through the in-process client and over HTTP,
+where `POST /generate` answers with NDJSON: one `GenerateDelta` per line until one has `finished=True`,
+or one error line (a `wire.errors.RequestError`) if the request fails. A delta holds only what is new
+since the previous one (new token ids, new text, their logprobs, a finish reason), so each line costs
+the same whatever the position in the output. The gateway imports this package (and nothing of the
+engine's internals) to talk to workers.
 
 HTTP endpoints of a worker (worker/server.py), each behind the `WORKER_SECRET_HEADER`:
-    POST /generate  GenerateRequest -> NDJSON stream of GenerateDelta | GenerateError
+    POST /generate  GenerateRequest -> NDJSON stream of GenerateDelta, ending finished or with an error
+                    line; a body that is not a GenerateRequest is answered 400 with one error line
     POST /abort     {"request_id": str} -> {"aborted": bool}
     GET  /state     -> WorkerState
     GET  /health    -> {"status": "ok"}
@@ -16,17 +19,24 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
+
+from wire.errors import RequestError
+from wire.sampling import SamplingParams
 
 WORKER_SECRET_HEADER = "x-loraplex-worker-secret"
 TRACEPARENT_HEADER = "traceparent"
 MAX_REQUEST_ID_LENGTH = 200
 
-# Error codes a worker reports in GenerateError.code; the gateway maps them to HTTP statuses.
-INVALID_REQUEST = "invalid_request"  # can never run as asked (bad params, prompt too long): 400
-ADAPTER_UNAVAILABLE = "adapter_unavailable"  # the adapter cannot be loaded or is unsupported
-ENGINE_ERROR = "engine_error"  # the engine failed while running it: 500
+# The radix prefix cache's namespace key: (cache salt, adapter content digest or ""). Two requests share
+# cached KV only within one namespace.
+PrefixNamespace = tuple[str, str]
+
+
+def prefix_namespace(cache_salt: str, adapter_sha256: str | None) -> PrefixNamespace:
+    """The namespace a request's prompt is cached under, on the engine and in the gateway's routing index."""
+    return (cache_salt, adapter_sha256 or "")
 
 
 class ProtocolError(ValueError):
@@ -45,12 +55,17 @@ class AdapterSpec:
 
 @dataclass(frozen=True)
 class GenerateRequest:
+    """One generation, as the gateway asks a worker for it. Validated on construction (ProtocolError)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingParams field values (wire/sampling.py names)
+    sampling: SamplingParams
     priority: int = 0
     adapter: AdapterSpec | None = None
-    cache_salt: str = ""  # the tenant's prefix-cache namespace, chosen by the server
+    # The salt the request's prompt is cached under: the tenant's own (chosen by the server, never by a
+    # client) or the public salt an operator shares (see gateway/openai/routes.py). Not the namespace
+    # itself: that also holds the adapter's content (`prefix_namespace`).
+    cache_salt: str = ""
     traceparent: str | None = None  # W3C trace context of the gateway span
 
     def __post_init__(self) -> None:
@@ -60,95 +75,115 @@ class GenerateRequest:
             raise ProtocolError("prompt_token_ids must be a non-empty list of ints")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt_token_ids):
             raise ProtocolError("prompt_token_ids must hold only ints")
-        if not isinstance(self.sampling, dict):
-            raise ProtocolError("sampling must be an object of SamplingParams fields")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ProtocolError("sampling must be a SamplingParams")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ProtocolError("priority must be an int")
         if not isinstance(self.cache_salt, str):
             raise ProtocolError("cache_salt must be a string")
+        if self.traceparent is not None and not isinstance(self.traceparent, str):
+            raise ProtocolError("traceparent must be a string or null")
+
+    @property
+    def prefix_namespace(self) -> PrefixNamespace:
+        return prefix_namespace(self.cache_salt, self.adapter.sha256 if self.adapter else None)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+                "sampling": self.sampling.to_json(), "priority": self.priority,
+                "adapter": asdict(self.adapter) if self.adapter else None, "cache_salt": self.cache_salt,
+                "traceparent": self.traceparent}
 
     @classmethod
     def from_json(cls, data: Any) -> GenerateRequest:
+        """Strict: unknown fields, wrong types and sampling values out of bounds are ProtocolErrors."""
         if not isinstance(data, dict):
             raise ProtocolError("a generate request must be a JSON object")
-        known = {f.name for f in fields(cls)}
         missing = {"request_id", "prompt_token_ids", "sampling"} - data.keys()
         if missing:
             raise ProtocolError(f"generate request is missing {sorted(missing)}")
-        args = {k: v for k, v in data.items() if k in known}
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ProtocolError(f"generate request has unknown field(s) {unknown}")
+        args = dict(data)
+        try:
+            args["sampling"] = SamplingParams.from_json(data["sampling"])
+        except ValueError as e:
+            raise ProtocolError(f"sampling: {e}") from None
         adapter = args.get("adapter")
         if adapter is not None:
-            if not isinstance(adapter, dict) or not all(isinstance(adapter.get(k), str) for k in ("name", "sha256", "path")):
+            if not isinstance(adapter, dict) or set(adapter) != {"name", "sha256", "path"} or not all(
+                    isinstance(v, str) for v in adapter.values()):
                 raise ProtocolError("adapter must be {name, sha256, path} strings or null")
-            args["adapter"] = AdapterSpec(adapter["name"], adapter["sha256"], adapter["path"])
+            args["adapter"] = AdapterSpec(**adapter)
         return cls(**args)
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class Logprob:
+    """The sampled token's log-probability and the most likely alternatives (token id, logprob)."""
+
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class SampleDelta:
-    """New tokens of one sample (`index` in 0..n-1) since the previous delta."""
+    """What is new in one sample (`index` in 0..n-1) since its previous delta.
+
+    `text` may lag `token_ids` (held back while it could still become a stop string or half a
+    character); everything held back comes out by the delta that finishes the sample.
+    """
 
     index: int
-    text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None  # set when the request asked for logprobs
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
+    text: str = ""
+    logprobs: list[Logprob] | None = None  # one per new token, when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (a failure is a RequestError instead)
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass(frozen=True)
 class GenerateDelta:
+    """One step of one request: the samples that changed. The last delta of a request has finished=True."""
+
     request_id: str
     samples: list[SampleDelta]
     num_prompt_tokens: int
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False
-    error: str | None = None  # the engine failed the request (finish_reason "error")
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": "delta", **asdict(self)}
+        return {"type": "delta", "request_id": self.request_id, "samples": [_sample_json(s) for s in self.samples],
+                "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens,
+                "finished": self.finished}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerateDelta:
         samples = [
             SampleDelta(
-                index=s["index"], text=s["text"], token_ids=s["token_ids"],
+                index=int(s["index"]), token_ids=[int(t) for t in s["token_ids"]], text=str(s["text"]),
                 logprobs=None if s.get("logprobs") is None else [
-                    TokenLogprob(lp["token_id"], _float(lp["logprob"]), [(t, _float(v)) for t, v in lp["top"]])
+                    Logprob(int(lp[0]), _float(lp[1]), tuple((int(t), _float(v)) for t, v in lp[2]))
                     for lp in s["logprobs"]
                 ],
                 finish_reason=s.get("finish_reason"), stop_reason=s.get("stop_reason"),
             )
             for s in data["samples"]
         ]
-        return cls(data["request_id"], samples, data["num_prompt_tokens"], data.get("num_cached_tokens", 0),
-                   data.get("finished", False), data.get("error"))
+        return cls(str(data["request_id"]), samples, int(data["num_prompt_tokens"]),
+                   int(data.get("num_cached_tokens", 0)), bool(data.get("finished", False)))
 
 
-@dataclass(frozen=True)
-class GenerateError:
-    """The request failed before or while running. `code` is one of the module's error codes."""
-
-    request_id: str
-    code: str
-    message: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "error", **asdict(self)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GenerateError:
-        return cls(data.get("request_id", ""), data.get("code", ENGINE_ERROR), data.get("message", "unknown error"))
+def _sample_json(s: SampleDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": s.index, "token_ids": s.token_ids, "text": s.text}
+    if s.logprobs is not None:
+        out["logprobs"] = [(lp.token_id, lp.logprob, lp.top) for lp in s.logprobs]  # compact: positional
+    if s.finish_reason is not None:
+        out["finish_reason"] = s.finish_reason
+        out["stop_reason"] = s.stop_reason
+    return out
 
 
 @dataclass(frozen=True)
@@ -177,22 +212,27 @@ class WorkerState:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING})
 
 
-def parse_message(line: bytes | str) -> GenerateDelta | GenerateError:
-    """One NDJSON line of a generate stream."""
+StreamMessage = GenerateDelta | RequestError
+
+
+def parse_message(line: bytes | str) -> StreamMessage:
+    """One NDJSON line of a generate stream: a delta, or the RequestError that ended the request."""
     try:
         data = json.loads(line)
         kind = data["type"]
         if kind == "delta":
             return GenerateDelta.from_json(data)
         if kind == "error":
-            return GenerateError.from_json(data)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ProtocolError(f"malformed generate stream line: {e}") from None
+            return RequestError.from_json(data)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ProtocolError(f"malformed generate stream line: {type(e).__name__}") from None
     raise ProtocolError(f"unknown message type {kind!r}")
 
 
-def encode_message(message: GenerateDelta | GenerateError) -> bytes:
-    return (json.dumps(message.to_json(), allow_nan=True, separators=(",", ":")) + "\n").encode()
+def encode_message(message: StreamMessage) -> bytes:
+    """The NDJSON line of a delta or an error (logprobs may be -inf: JSON's non-standard -Infinity)."""
+    data = {"type": "error", **message.to_json()} if isinstance(message, RequestError) else message.to_json()
+    return (json.dumps(data, allow_nan=True, separators=(",", ":")) + "\n").encode()
 
 
 def _float(value: Any) -> float:

@@ -1,18 +1,38 @@
-"""Per-request sampling parameters (vLLM-compatible names)."""
+"""Per-request sampling parameters (vLLM-compatible names): the one sampling spec from HTTP body to sampler.
+
+The gateway builds a `SamplingParams` from the OpenAI body, the worker protocol carries it (`to_json` /
+`from_json`, strict: unknown fields and wrong types are refused), and the engine samples with it. Its
+types and bounds are checked here, once, in `__post_init__`; nothing downstream re-validates them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, fields
 from typing import Any
+
+MAX_N = 16  # samples per request
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20  # top-N logprobs per sampled token
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling field has a wrong type or value. `param` is the field's name; the message names it too."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Validated on construction; ValueError names the field.
+    """How to pick tokens and when to stop. Validated on construction: InvalidSamplingParams (a ValueError)
+    names the field. Sequences (stop, stop_token_ids, choice) are stored as tuples; numbers as given
+    (floats as float).
 
-    Structured output: at most one of json_schema (a dict or JSON string; `{"type": "object"}` with no
-    other keys plus `json_object=True` means any JSON object), regex, choice. A constrained request ends
-    with "stop" when its grammar is complete, or "length" if max_tokens comes first.
+    Structured output: at most one of json_schema (a dict or JSON string), json_object (any JSON
+    object), regex, choice. A constrained request ends with "stop" when its grammar is complete, or
+    "length" if max_tokens comes first.
     """
 
     n: int = 1
@@ -32,42 +52,42 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = only the sampled token's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    json_schema: Any = None
+    json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
+        for name, kind in _KINDS.items():
+            value = getattr(self, name)
+            checked = _CHECKERS[kind](name, value)
+            if checked is not value:
+                object.__setattr__(self, name, checked)
+        p = self
         checks = [
-            (self.n >= 1, "n", "must be >= 1"),
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
-            (self.temperature >= 0.0, "temperature", "must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
-            (self.choice is None or len(self.choice) > 0, "choice", "must list at least one option"),
+            (1 <= p.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
+            (p.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0 <= p.min_tokens <= p.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
+            (0.0 <= p.temperature <= MAX_TEMPERATURE, "temperature", f"must be in [0, {MAX_TEMPERATURE:g}]"),
+            (0.0 < p.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (p.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive"),
+            (0.0 <= p.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (p.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
+            (all(p.stop), "stop", "stop strings must be non-empty"),
+            (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "token ids must be >= 0"),
+            (p.choice is None or (len(p.choice) > 0 and all(p.choice)), "choice",
+             "must list at least one non-empty option"),
         ]
         for ok, name, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-        constraints = [self.json_schema is not None or self.json_object, self.regex is not None,
-                       self.choice is not None]
+                raise InvalidSamplingParams(name, f"{name} {why}, got {_short(getattr(self, name))}")
+        constraints = [p.json_schema is not None or p.json_object, p.regex is not None, p.choice is not None]
         if sum(constraints) > 1:
-            raise ValueError("at most one of json_schema/json_object, regex and choice may be set")
+            raise InvalidSamplingParams("json_schema", "at most one of json_schema/json_object, regex and "
+                                                       "choice may be set")
 
     @property
     def greedy(self) -> bool:
@@ -80,3 +100,102 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, JSON-ready (tuples become lists)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> SamplingParams:
+        """The inverse of `to_json`. Raises InvalidSamplingParams for an unknown field, a wrong type or
+        a value out of bounds (missing fields take their defaults)."""
+        if not isinstance(data, dict):
+            raise InvalidSamplingParams("sampling", "sampling must be an object of SamplingParams fields")
+        unknown = sorted(set(data) - _KINDS.keys())
+        if unknown:
+            raise InvalidSamplingParams(str(unknown[0]), f"unknown sampling field(s) {unknown}")
+        return cls(**data)
+
+
+# ----- field types ------------------------------------------------------------------------------------
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _wrong(name: str, expected: str, value: Any) -> InvalidSamplingParams:
+    return InvalidSamplingParams(name, f"{name} must be {expected}, got {type(value).__name__}")
+
+
+def _int(name: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong(name, "an integer", value)
+    return value
+
+
+def _optional_int(name: str, value: Any) -> Any:
+    return None if value is None else _int(name, value)
+
+
+def _float(name: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _wrong(name, "a number", value)
+    if not math.isfinite(value):
+        raise InvalidSamplingParams(name, f"{name} must be a finite number, got {value!r}")
+    return value if type(value) is float else float(value)
+
+
+def _bool(name: str, value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise _wrong(name, "a boolean", value)
+    return value
+
+
+def _optional_str(name: str, value: Any) -> Any:
+    if value is not None and not isinstance(value, str):
+        raise _wrong(name, "a string", value)
+    return value
+
+
+def _strings(name: str, value: Any) -> Any:
+    if isinstance(value, str):
+        return (value,)
+    if value is None and name == "stop":
+        return ()
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise _wrong(name, "a list of strings", value)
+    return value if isinstance(value, tuple) else tuple(value)
+
+
+def _optional_strings(name: str, value: Any) -> Any:
+    return None if value is None else _strings(name, value)
+
+
+def _ints(name: str, value: Any) -> Any:
+    if not isinstance(value, list | tuple) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise _wrong(name, "a list of integers", value)
+    return value if isinstance(value, tuple) else tuple(value)
+
+
+def _schema(name: str, value: Any) -> Any:
+    if value is not None and not isinstance(value, dict | str):
+        raise _wrong(name, "a JSON schema (an object or its JSON text)", value)
+    return value
+
+
+_CHECKERS = {"int": _int, "int?": _optional_int, "float": _float, "bool": _bool, "str?": _optional_str,
+             "strs": _strings, "strs?": _optional_strings, "ints": _ints, "schema": _schema}
+_KINDS: dict[str, str] = {
+    "n": "int", "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float",
+    "top_k": "int", "min_p": "float", "seed": "int?", "repetition_penalty": "float",
+    "presence_penalty": "float", "frequency_penalty": "float", "stop": "strs", "stop_token_ids": "ints",
+    "ignore_eos": "bool", "logprobs": "int?", "skip_special_tokens": "bool", "include_stop_str_in_output": "bool",
+    "json_schema": "schema", "json_object": "bool", "regex": "str?", "choice": "strs?",
+}
+assert set(_KINDS) == {f.name for f in fields(SamplingParams)}, "every SamplingParams field has a checked type"

@@ -1,8 +1,10 @@
 """The engine worker: an AsyncLLM behind an internal HTTP service (protocol in wire/protocol.py).
 
-`WorkerService` is the transport-free part (adapter loading, sampling params, outputs to protocol
-messages); the gateway's in-process client uses it directly, and `build_worker_app` serves it over
-HTTP with a shared secret. A client that disconnects from `/generate` aborts its request in the engine.
+`WorkerService` is the transport-free part (adapter loading, capability checks; the engine's deltas
+pass through as they are); the gateway's in-process client uses it directly, and `build_worker_app`
+serves it over HTTP with a shared secret. A failed request raises (in process) or ends its NDJSON stream
+with (over HTTP) one wire.errors.RequestError. A client that disconnects from `/generate` aborts its
+request in the engine.
 
 NOTE: this module must never import gateway/ or policies/ (workers run without them).
 """
@@ -19,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 import anyio
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,105 +30,82 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engine.async_llm import AsyncLLM
-from engine.outputs import Logprob, RequestOutput
 from engine.request import AdapterRef
+from wire.errors import ErrorCode, RequestError
 from wire.protocol import (
-    ADAPTER_UNAVAILABLE,
-    ENGINE_ERROR,
-    INVALID_REQUEST,
     TRACEPARENT_HEADER,
     WORKER_SECRET_HEADER,
     AdapterSpec,
     GenerateDelta,
-    GenerateError,
     GenerateRequest,
     ProtocolError,
-    SampleDelta,
-    TokenLogprob,
     WorkerState,
     encode_message,
 )
-from wire.sampling import SamplingParams
+from worker.capabilities import WorkerCapabilities
 from worker.tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
 
 
-class AdapterUnavailable(Exception):
-    pass
-
-
 class WorkerService:
-    """Runs protocol requests on one AsyncLLM. Safe to share by all requests of one event loop."""
+    """Runs protocol requests on one AsyncLLM. Safe to share by all requests of one event loop.
 
-    def __init__(self, llm: AsyncLLM, model_name: str, tracer_provider: TracerProvider | None = None) -> None:
+    `capabilities` says what `llm` serves (WorkerCapabilities.of_engine(config) for an LLMEngine); requests
+    for anything else are refused by name."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, capabilities: WorkerCapabilities,
+                 tracer_provider: TracerProvider | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.capabilities = capabilities
         self.tracing = WorkerTracing(tracer_provider)  # spans only when a provider is given
         self._adapters: dict[str, AdapterRef] = {}  # sha256 -> loaded ref
         self._adapter_locks: dict[str, asyncio.Lock] = {}
 
     @property
     def supports_adapters(self) -> bool:
-        return callable(getattr(self.llm.engine, "load_adapter", None))
+        return self.capabilities.adapters
 
     @property
     def supports_structured_output(self) -> bool:
-        engine = self.llm.engine
-        declared = getattr(engine, "supports_structured_output", None)
-        if declared is not None:
-            return bool(declared)
-        return getattr(getattr(engine, "runner", None), "grammar_masker", None) is not None
+        return self.capabilities.structured_output
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | GenerateError]:
-        """Stream deltas until one is finished, or yield one GenerateError. Closing the iterator early
-        aborts the request in the engine. Traced (worker/tracing.py) when the service has a provider."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream the engine's deltas until one is finished. Raises RequestError (a stable code) when
+        the request is refused or fails; any other fault is logged here and raised as engine_error.
+        Closing the iterator early aborts the request in the engine. Traced (worker/tracing.py) when
+        the service has a provider."""
         spans = self.tracing.request(request, self.model_name)
-        messages = self._run(request)
+        deltas = self._run(request)
         error: str | None = None
         try:
-            async for message in messages:
+            async for delta in deltas:
                 if spans is not None:
-                    if isinstance(message, GenerateError):
-                        error = message.message
-                    else:
-                        spans.on_delta(message, self.llm.stats().num_running)
-                yield message
+                    spans.on_delta(delta, self.llm.stats().num_running)
+                yield delta
+        except RequestError as e:
+            error = e.code.value
+            raise
+        except Exception:  # an engine fault reported as an error, never a dropped stream
+            log.exception("request %s failed", request.request_id)
+            error = ErrorCode.ENGINE_ERROR.value
+            raise RequestError(ErrorCode.ENGINE_ERROR, request_id=request.request_id) from None
         finally:
-            await messages.aclose()
+            await deltas.aclose()
             if spans is not None:
                 spans.finish(error)
 
-    async def _run(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta | GenerateError, None]:
-        rid = request.request_id
-        try:
-            params = SamplingParams(**request.sampling)
-        except (TypeError, ValueError) as e:
-            yield GenerateError(rid, INVALID_REQUEST, f"invalid sampling parameters: {e}")
-            return
+    async def _run(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        params = request.sampling
         if params.has_grammar and not self.supports_structured_output:
-            yield GenerateError(rid, INVALID_REQUEST,
-                                "structured output (response_format) is not supported by this engine build")
-            return
-        try:
-            adapter = await self._adapter_ref(request.adapter) if request.adapter else None
-        except AdapterUnavailable as e:
-            yield GenerateError(rid, ADAPTER_UNAVAILABLE, str(e))
-            return
-        with_logprobs = params.logprobs is not None
-        started = False
-        try:
-            async for out in self.llm.generate(rid, {"prompt_token_ids": request.prompt_token_ids}, params,
-                                               priority=request.priority, adapter=adapter,
-                                               cache_salt=request.cache_salt):
-                started = True
-                yield delta_from_output(out, with_logprobs)
-        except ValueError as e:
-            code = INVALID_REQUEST if not started else ENGINE_ERROR
-            yield GenerateError(rid, code, str(e))
-        except Exception as e:  # an engine fault reported as a message, never a dropped stream
-            log.exception("request %s failed", rid)
-            yield GenerateError(rid, ENGINE_ERROR, f"engine error: {type(e).__name__}: {e}")
+            raise RequestError(ErrorCode.INVALID_REQUEST, "structured output (response_format) is not "
+                               "supported by this engine build", param="response_format")
+        adapter = await self._adapter_ref(request.adapter) if request.adapter else None
+        async for delta in self.llm.generate(request.request_id, {"prompt_token_ids": request.prompt_token_ids},
+                                             params, priority=request.priority, adapter=adapter,
+                                             cache_salt=request.cache_salt):
+            yield delta
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -141,13 +121,13 @@ class WorkerService:
         )
 
     async def _adapter_ref(self, spec: AdapterSpec) -> AdapterRef:
-        """Load the adapter once per content hash (the engine's name for it is its sha256)."""
+        """Load the adapter once per content hash (the engine's name for it is its sha256). Raises
+        RequestError(adapter_unavailable) naming the adapter; the cause (paths included) is only logged."""
         if spec.sha256 in self._adapters:
             return self._adapters[spec.sha256]
         if not self.supports_adapters:
-            raise AdapterUnavailable(
-                f"adapter {spec.name!r} cannot be served: this engine build does not support LoRA adapters"
-            )
+            raise RequestError(ErrorCode.ADAPTER_UNAVAILABLE, f"adapter {spec.name!r} cannot be served: this "
+                               "engine build does not support LoRA adapters", param="model")
         lock = self._adapter_locks.setdefault(spec.sha256, asyncio.Lock())
         async with lock:
             if spec.sha256 not in self._adapters:
@@ -156,18 +136,21 @@ class WorkerService:
                         lambda engine: engine.load_adapter(spec.sha256, spec.path, sha256=spec.sha256)
                     )
                 except Exception as e:
-                    raise AdapterUnavailable(f"adapter {spec.name!r} could not be loaded: {e}") from None
+                    log.warning("adapter %s (%s) could not be loaded: %.300s", spec.name, spec.sha256[:12], e)
+                    raise RequestError(ErrorCode.ADAPTER_UNAVAILABLE, f"adapter {spec.name!r} could not be "
+                                       "loaded", param="model") from None
                 self._adapters[spec.sha256] = ref
         return self._adapters[spec.sha256]
 
 
 class NdjsonStream(Response):
-    """Streams protocol messages as NDJSON; a client disconnect (noticed even while no token is
-    ready) closes the message iterator, which aborts the request in the engine."""
+    """Streams deltas as NDJSON, and the RequestError that ends a failed request as its last line; a
+    client disconnect (noticed even while no token is ready) closes the delta iterator, which aborts the
+    request in the engine."""
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, messages: AsyncIterator[GenerateDelta | GenerateError]) -> None:
+    def __init__(self, messages: AsyncIterator[GenerateDelta]) -> None:
         # NOTE: no Response.__init__: it would declare content-length 0 for a body that streams.
         self.status_code = 200
         self.background = None
@@ -177,8 +160,11 @@ class NdjsonStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for message in self.messages:
-                await send({"type": "http.response.body", "body": encode_message(message), "more_body": True})
+            try:
+                async for message in self.messages:
+                    await send({"type": "http.response.body", "body": encode_message(message), "more_body": True})
+            except RequestError as e:
+                await send({"type": "http.response.body", "body": encode_message(e), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch() -> None:
@@ -220,8 +206,9 @@ def build_worker_app(service: WorkerService, secret: str,
             body = json.loads(await request.body())
             gen = GenerateRequest.from_json(body)
         except (ValueError, TypeError) as e:  # ProtocolError is a ValueError
-            message = str(e) if isinstance(e, ProtocolError) else f"malformed generate request: {e}"
-            return JSONResponse({"error": message}, status_code=400)
+            message = str(e) if isinstance(e, ProtocolError) else "malformed generate request: not JSON"
+            error = RequestError(ErrorCode.INVALID_REQUEST, message)  # one error line, as in a stream
+            return Response(encode_message(error), status_code=400, media_type=NdjsonStream.media_type)
         if request.headers.get(TRACEPARENT_HEADER) and not gen.traceparent:
             gen = replace(gen, traceparent=request.headers[TRACEPARENT_HEADER])
         return NdjsonStream(service.generate(gen))
@@ -267,40 +254,21 @@ def build_worker_app(service: WorkerService, secret: str,
     ], lifespan=lifespan)
 
 
-def run_worker(llm: AsyncLLM, model_name: str, secret: str, host: str = "127.0.0.1", port: int = 8001,
-               tracer_provider: TracerProvider | None = None,
+def run_worker(llm: AsyncLLM, model_name: str, secret: str, capabilities: WorkerCapabilities,
+               host: str = "127.0.0.1", port: int = 8001, tracer_provider: SdkTracerProvider | None = None,
                background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None) -> None:
     """Serve until interrupted (blocking). Loopback by default: the secret is not a substitute for a
     private network. `tracer_provider` (its spans exported by the caller's setup) is shut down at exit.
-    `background` as in `build_worker_app`."""
+    `capabilities` as in `WorkerService`, `background` as in `build_worker_app`."""
     import uvicorn
 
-    app = build_worker_app(WorkerService(llm, model_name, tracer_provider), secret, background)
+    app = build_worker_app(WorkerService(llm, model_name, capabilities, tracer_provider), secret, background)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         llm.shutdown()
-        shutdown = getattr(tracer_provider, "shutdown", None)  # the SDK provider flushes its exporters
-        if callable(shutdown):
-            shutdown()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flushes its exporters
 
 
-__all__ = ["AdapterUnavailable", "NdjsonStream", "WorkerService", "build_worker_app", "run_worker"]
-
-
-def delta_from_output(out: RequestOutput, with_logprobs: bool) -> GenerateDelta:
-    """The wire form of one RequestOutput: only what changed since the previous one."""
-    samples = [
-        SampleDelta(
-            index=c.index, text=c.delta_text, token_ids=list(c.delta_token_ids),
-            logprobs=[_token_logprob(lp) for lp in c.delta_logprobs] if with_logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        )
-        for c in out.outputs
-    ]
-    return GenerateDelta(out.request_id, samples, len(out.prompt_token_ids), out.num_cached_tokens,
-                         out.finished, out.error)
-
-
-def _token_logprob(lp: Logprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, float(lp.logprob), [(int(t), float(v)) for t, v in lp.top])
+__all__ = ["NdjsonStream", "WorkerCapabilities", "WorkerService", "build_worker_app", "run_worker"]

@@ -5,19 +5,43 @@
     │                    batch size (requests running in the engine per its latest stats snapshot)
     └── worker.decode    from the first output to the end: output tokens, largest batch size seen
 
-With no tracer provider every call is a no-op. NOTE: engine code must not import gateway/; this
-module uses only the OpenTelemetry API.
+With no tracer provider every call is a no-op. `build_tracer_provider` makes the worker's provider
+(OTLP over HTTP to a collector). NOTE: worker/ never imports gateway/: the gateway has its own setup
+(gateway/observability/tracing.py), under its own service name.
 """
 
 from __future__ import annotations
 
 from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, StatusCode, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from wire.protocol import GenerateDelta, GenerateRequest
 
 INSTRUMENTATION_NAME = "loraplex.worker"
+WORKER_SERVICE_NAME = "loraplex-worker"
+OTLP_TRACES_PATH = "/v1/traces"
+
+
+def build_tracer_provider(otlp_endpoint: str | None) -> SdkTracerProvider | None:
+    """A provider exporting the worker's spans (batched) to an OTLP/HTTP collector, or None without one.
+    `otlp_endpoint` is used as given when it ends in /v1/traces, else with that path appended (the
+    convention of OTEL_EXPORTER_OTLP_ENDPOINT). The caller owns it: `shutdown()` flushes and stops it."""
+    if not otlp_endpoint:
+        return None
+    endpoint = otlp_endpoint.strip()
+    if not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"the OTLP endpoint must be an http:// or https:// URL, got {endpoint!r}")
+    if not endpoint.rstrip("/").endswith(OTLP_TRACES_PATH):
+        endpoint = endpoint.rstrip("/") + OTLP_TRACES_PATH
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    provider = SdkTracerProvider(resource=Resource.create({"service.name": WORKER_SERVICE_NAME}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider
 
 
 class RequestSpans:

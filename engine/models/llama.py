@@ -4,6 +4,8 @@ One forward serves a mixed batch of prefill chunks and decode tokens from many s
 concatenated into (T, hidden) and attention finds each sequence's keys through its block table.
 Covers LlamaForCausalLM (incl. Llama 3.1 rope scaling), MistralForCausalLM (sliding window),
 Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm); GQA; tied embeddings.
+Every projection (and an untied lm_head) is a dense tensor or a weight-only quantized one
+(engine.quantization); `kernels.quant.linear` runs either.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
 from kernels.attention import StepAttentionPlan, paged_attention, write_kv
+from kernels.quant import Weight, concat, dequantize, linear, nbytes, place
 
 
 class LoRAContext(Protocol):
@@ -46,42 +49,65 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class _Layer:
     input_norm: torch.Tensor  # (H,)
     post_norm: torch.Tensor  # (H,)
-    qkv: torch.Tensor  # (q + 2 kv, H) fused q/k/v projection
+    qkv: Weight  # (q + 2 kv, H) fused q/k/v projection
     qkv_bias: torch.Tensor | None  # (q + 2 kv,)
-    o: torch.Tensor  # (H, q)
+    o: Weight  # (H, q)
     q_norm: torch.Tensor | None  # (D,)
     k_norm: torch.Tensor | None  # (D,)
-    gate_up: torch.Tensor  # (2 I, H) fused gate/up projection
-    down: torch.Tensor  # (H, I)
+    gate_up: Weight  # (2 I, H) fused gate/up projection
+    down: Weight  # (H, I)
+
+    def weights(self) -> list[Weight]:
+        return [w for w in (self.input_norm, self.post_norm, self.qkv, self.qkv_bias, self.o, self.q_norm,
+                            self.k_norm, self.gate_up, self.down) if w is not None]
+
+
+def _dense(w: Weight, device: torch.device | str) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected a dense tensor, got {type(w).__name__}")
+    return w.to(device)
+
+
+def _fuse(parts: list[Weight]) -> Weight:
+    """Stack projections along their outputs (dense or quantized alike; quantization is per output row)."""
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(dense) == len(parts):
+        return torch.cat(dense)
+    quantized = [p for p in parts if not isinstance(p, torch.Tensor)]
+    if len(quantized) != len(parts):
+        raise ValueError("a fused projection mixes quantized and dense weights")
+    return concat(quantized)
 
 
 class LlamaModel:
     """Weights plus the forward pass. Holds no per-request state; the runner owns the KV tensors."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], device: torch.device | str,
                  max_positions: int) -> None:
+        """`weights`: HF-named tensors (engine.loader), projections dense or quantized; fused on the host,
+        then placed on `device` in the layout its kernels read."""
         self.cfg = cfg
-        w = {k: v.to(device) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]  # (V, H)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.norm = w["model.norm.weight"]
+        w = weights
+        self.embed = _dense(w["model.embed_tokens.weight"], device)  # (V, H)
+        self.lm_head: Weight = self.embed if cfg.tie_word_embeddings else place(w["lm_head.weight"], device)
+        self.norm = _dense(w["model.norm.weight"], device)
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             bias = None
             if cfg.qkv_bias:
-                bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+                bias = _dense(_fuse([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]), device)
             self.layers.append(_Layer(
-                input_norm=w[p + "input_layernorm.weight"],
-                post_norm=w[p + "post_attention_layernorm.weight"],
-                qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                input_norm=_dense(w[p + "input_layernorm.weight"], device),
+                post_norm=_dense(w[p + "post_attention_layernorm.weight"], device),
+                qkv=place(_fuse([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]), device),
                 qkv_bias=bias,
-                o=w[a + "o_proj.weight"],
-                q_norm=w.get(a + "q_norm.weight"),
-                k_norm=w.get(a + "k_norm.weight"),
-                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                down=w[p + "mlp.down_proj.weight"],
+                o=place(w[a + "o_proj.weight"], device),
+                q_norm=_dense(w[a + "q_norm.weight"], device) if cfg.qk_norm else None,
+                k_norm=_dense(w[a + "k_norm.weight"], device) if cfg.qk_norm else None,
+                gate_up=place(_fuse([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), device),
+                down=place(w[p + "mlp.down_proj.weight"], device),
             ))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
         self.scale = cfg.head_dim**-0.5
@@ -89,6 +115,46 @@ class LlamaModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of every parameter (quantized weights with their scales; a tied lm_head once)."""
+        params: list[Weight] = [self.embed, self.norm]
+        if not self.cfg.tie_word_embeddings:
+            params.append(self.lm_head)
+        for layer in self.layers:
+            params += layer.weights()
+        return sum(nbytes(p) for p in params)
+
+    def dequantized_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named fp32 weights, on the CPU, of exactly what this model computes with (quantized weights
+        dequantized, fused projections split): load them into another model to run the same matrices."""
+        cfg = self.cfg
+
+        def full(w: Weight) -> torch.Tensor:
+            return (w.float() if isinstance(w, torch.Tensor) else dequantize(w)).cpu()
+
+        sd = {"model.embed_tokens.weight": full(self.embed), "model.norm.weight": full(self.norm)}
+        if not cfg.tie_word_embeddings:
+            sd["lm_head.weight"] = full(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            sd[p + "input_layernorm.weight"] = full(layer.input_norm)
+            sd[p + "post_attention_layernorm.weight"] = full(layer.post_norm)
+            qkv_names = [a + n for n in ("q_proj", "k_proj", "v_proj")]
+            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+            for name, part in zip(qkv_names, full(layer.qkv).split(sizes), strict=True):
+                sd[name + ".weight"] = part.contiguous()
+            if layer.qkv_bias is not None:
+                for name, part in zip(qkv_names, full(layer.qkv_bias).split(sizes), strict=True):
+                    sd[name + ".bias"] = part.contiguous()
+            sd[a + "o_proj.weight"] = full(layer.o)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                sd[a + "q_norm.weight"], sd[a + "k_norm.weight"] = full(layer.q_norm), full(layer.k_norm)
+            gate, up = full(layer.gate_up).chunk(2)
+            sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+            sd[p + "mlp.down_proj.weight"] = full(layer.down)
+        return sd
 
     def forward(
         self,
@@ -105,7 +171,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # (T, H)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
             v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
@@ -123,17 +189,17 @@ class LlamaModel:
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
                 cfg.sliding_window, attn.plan,
             ).reshape(n_tok, cfg.q_size)  # (T, q)
-            o = F.linear(o_in, layer.o)  # (T, H)
+            o = linear(o_in, layer.o)  # (T, H)
             if lora is not None:
                 lora.add(i, "o", o_in, o)
             x = x + o
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(h, layer.gate_up)  # (T, 2I)
+            gate_up = linear(h, layer.gate_up)  # (T, 2I)
             if lora is not None:
                 lora.add(i, "gate_up", h, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up  # (T, I)
-            down = F.linear(act, layer.down)  # (T, H)
+            down = linear(act, layer.down)  # (T, H)
             if lora is not None:
                 lora.add(i, "down", act, down)
             x = x + down
@@ -141,4 +207,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) -> (N, V) float32 logits."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -9,18 +9,16 @@ directory under the adapter root, then checked against the tenant's limits, then
 content-addressed storage (temp dir + rename) and recorded in the store. Any failure leaves neither a
 file nor a record; the caller removes the work directory.
 
-Per-tenant limits come from the tenant policy keys `max_adapters` (live versions) and
-`max_adapter_bytes` (their stored bytes), else from `AdapterUploadConfig`'s defaults.
+Per-tenant limits are the tenant's TenantPolicy fields `max_adapters` (live versions) and
+`max_adapter_bytes` (their stored bytes), defaults included: the same parsed policy admission enforces.
 """
 
 from __future__ import annotations
 
 import tempfile
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from adapters.adapter_files import REQUIRED_ADAPTER_FILES
 from adapters.archive import ArchiveLimits, unpack_adapter_archive
@@ -32,8 +30,6 @@ from gateway.store import AdapterRecord, Store, Tenant
 from wire.checkpoint import ModelConfig
 
 DEFAULT_MAX_UPLOAD_BYTES = 2 << 30  # one uploaded archive
-DEFAULT_MAX_ADAPTERS = 100  # live versions per tenant
-DEFAULT_MAX_ADAPTER_BYTES = 20 << 30  # stored bytes of a tenant's live versions
 UPLOAD_WORK_PREFIX = ".tmp-upload-"  # AdapterStorage erases stale `.tmp-*` entries of crashed gateways
 
 
@@ -45,39 +41,12 @@ class AdapterUploadConfig:
     max_lora_rank: int
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     archive_limits: ArchiveLimits = field(default_factory=ArchiveLimits)
-    default_max_adapters: int = DEFAULT_MAX_ADAPTERS
-    default_max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
     accepted_base_models: tuple[str, ...] | None = None  # None: shapes decide, as in the engine's loader
 
     def __post_init__(self) -> None:
         for name in ("max_lora_rank", "max_upload_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("default_max_adapters", "default_max_adapter_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class TenantAdapterLimits:
-    max_adapters: int
-    max_adapter_bytes: int
-
-    @classmethod
-    def for_tenant(cls, policy: Mapping[str, Any], config: AdapterUploadConfig) -> TenantAdapterLimits:
-        """The tenant policy's `max_adapters` / `max_adapter_bytes` when set, else the gateway's defaults."""
-        return cls(_policy_int(policy, "max_adapters", config.default_max_adapters),
-                   _policy_int(policy, "max_adapter_bytes", config.default_max_adapter_bytes))
-
-
-def _policy_int(policy: Mapping[str, Any], key: str, default: int) -> int:
-    value = policy.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ApiError(500, f"The tenant policy's {key} must be a non-negative integer; ask the operator to fix it.",
-                       code="invalid_tenant_policy")
-    return value
 
 
 def invalid_adapter(problem: str) -> ApiError:
@@ -103,27 +72,20 @@ class AdapterRegistry:
         self.storage = AdapterStorage(adapter_root)
         self._commit_lock = threading.Lock()
 
-    @property
-    def accepts_uploads(self) -> bool:
-        return self.config is not None
-
     def upload_config(self) -> AdapterUploadConfig:
         if self.config is None:
             raise ApiError(501, "This gateway takes no adapter uploads: it was started without the served "
                                 "model's configuration.", code="uploads_disabled")
         return self.config
 
-    def limits(self, tenant: Tenant) -> TenantAdapterLimits:
-        return TenantAdapterLimits.for_tenant(tenant.policy, self.upload_config())
-
     def check_room(self, tenant: Tenant) -> None:
-        """Refuse early (before any byte is read) when the tenant already holds its maximum count."""
-        limits = self.limits(tenant)
+        """Refuse early (before any byte is read) when the tenant already holds its maximum count.
+        Reads the store: run off the event loop."""
         totals = self.store.adapter_totals(tenant.id)
-        if totals.count >= limits.max_adapters:
+        if totals.count >= tenant.policy.max_adapters:
             raise adapter_quota_exceeded(
                 f"Tenant '{tenant.name}' already has {totals.count} adapter versions, its limit is "
-                f"{limits.max_adapters}; delete one first.")
+                f"{tenant.policy.max_adapters}; delete one first.")
 
     def new_work_dir(self) -> Path:
         """A fresh directory for one upload, next to the storage (same filesystem, cleaned if abandoned)."""
@@ -174,7 +136,7 @@ class AdapterRegistry:
         return live
 
     def _check_limits(self, tenant: Tenant, new_bytes: int) -> None:
-        limits = self.limits(tenant)
+        limits = tenant.policy
         totals = self.store.adapter_totals(tenant.id)
         if totals.count + 1 > limits.max_adapters:
             raise adapter_quota_exceeded(

@@ -76,8 +76,7 @@ async def metrics(request: Request) -> Response:
     if not (telemetry.config.metrics_public and not request.user.is_authenticated):
         require_scope(request, ADMIN_SCOPE)
     gateway = request.state.gateway
-    queue = getattr(gateway.admission, "queue", None)
-    body = await telemetry.render_metrics(gateway.engine, queue)
+    body = await telemetry.render_metrics(gateway.engine, gateway.admission.queue)
     return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
 
 

@@ -1,74 +1,34 @@
-"""What the admin API says about tenants, keys, adapters and workers (JSON shapes), and how it checks a
-policy edit before storing it.
+"""What the admin API says about tenants, keys, adapters and workers (JSON shapes).
 
-A tenant's stored policy holds only the fields an operator set; `effective_policy` fills the rest the
-way the gateway's admission does (gateway.admission.quota.TenantPolicies), so the dashboard shows the
-limits that are actually enforced.
+A tenant shows its policy twice: `policy`, the fields its operator set (what the store keeps and the
+audit log records), and `limits`, the whole TenantPolicy the gateway enforces (defaults included) —
+both from the one TenantPolicy the store parsed. `policy_error` is set when the stored policy does not
+validate and the defaults are enforced instead (gateway/store/stored_policy.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
-from pydantic import ValidationError
-
-from gateway.admission.quota import TenantPolicies
 from gateway.store import AdapterRecord, ApiKey, AuditEntry, Tenant, UsageRow, UsageTotals
-from policies import TenantPolicy
 from wire.protocol import WorkerState
-
-POLICY_FIELDS = tuple(TenantPolicy.model_fields)
-
-
-class PolicyError(ValueError):
-    """A policy edit the gateway would not enforce as written (the message names the field)."""
-
-
-def merge_policy(stored: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """`stored` with `patch` applied: a value sets a field, null clears it back to the default."""
-    unknown = sorted(set(patch) - set(POLICY_FIELDS))
-    if unknown:
-        raise PolicyError(f"unknown policy field(s) {unknown}; known fields: {list(POLICY_FIELDS)}")
-    merged = dict(stored)
-    for name, value in patch.items():
-        if value is None:
-            merged.pop(name, None)
-        else:
-            merged[name] = value
-    return merged
-
-
-def effective_policy(tenant: Tenant, policy: dict[str, Any] | None = None) -> TenantPolicy:
-    """The limits the gateway enforces for `tenant` (with `policy` instead of its stored one, if given).
-
-    Raises PolicyError when that policy is invalid (the gateway would fall back to the defaults)."""
-    candidate = tenant if policy is None else replace(tenant, policy=policy)
-    policies = TenantPolicies()
-    result = policies.policy_for(candidate)
-    if result is not policies.default:
-        return result
-    try:  # invalid: name the first problem, as strict validation over the defaults sees it
-        TenantPolicy.model_validate({**TenantPolicy().model_dump(), **candidate.policy})
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or "policy"
-        raise PolicyError(f"invalid policy: {where}: {first['msg']}") from None
-    return result
 
 
 def tenant_json(tenant: Tenant) -> dict[str, Any]:
     return {"id": tenant.id, "name": tenant.name, "created_at": tenant.created_at, "suspended": tenant.suspended,
-            "shared": tenant.shared, "policy": tenant.policy}
+            "shared": tenant.shared, "policy": tenant.policy.overrides(), "policy_error": tenant.policy_error}
 
 
-def tenant_row(tenant: Tenant, limits: TenantPolicy, today: UsageTotals, requests_last_minute: int,
-               active_keys: int) -> dict[str, Any]:
+def tenant_detail_json(tenant: Tenant) -> dict[str, Any]:
+    """The tenant with its enforced limits."""
+    return {**tenant_json(tenant), "limits": tenant.policy.model_dump(mode="json")}
+
+
+def tenant_row(tenant: Tenant, today: UsageTotals, requests_last_minute: int, active_keys: int) -> dict[str, Any]:
     """A tenants-table row: the tenant, its enforced limits, and usage to compare with them."""
     return {
-        **tenant_json(tenant),
-        "limits": limits.model_dump(),
+        **tenant_detail_json(tenant),
         "usage_today": usage_totals_json(today),
         "requests_last_minute": requests_last_minute,
         "active_keys": active_keys,

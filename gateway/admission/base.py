@@ -4,10 +4,12 @@
 tokenized and before anything reaches a worker: it may refuse (raise ApiError: 429, 503, 400) or grant,
 choosing the priority the request runs at. `RequestAdmission.release` is called exactly once per
 granted request, with the final token counts, whatever the outcome (finished, failed, client gone).
-`UsageReporter.report` is the one place final usage is recorded durably.
+`close` is called once at shutdown, after the last release; `queue` is the fair queue the dashboard and
+/metrics show (None: the admission has none).
+`UsageReporter.report` is the one place final usage is recorded durably; its `close` writes what is pending.
 
-The defaults here only clamp the priority into the tenant's range and record usage in the store; the
-policies package supplies an admission with quotas and a fair queue.
+There is one admission: `GatedAdmission` (gateway/admission/gates.py) as `build_admission`
+(gateway/admission/settings.py) assembles it, for `loraplex serve` and for the tests alike.
 """
 
 from __future__ import annotations
@@ -19,12 +21,9 @@ from typing import Any, Protocol
 from starlette.concurrency import run_in_threadpool
 
 from gateway.store import Store, Tenant
+from policies import FairQueue
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MIN_PRIORITY = 0
-DEFAULT_MAX_PRIORITY = 9
-DEFAULT_PRIORITY = 0
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,18 @@ class AdmissionRequest:
     max_tokens: int  # per sample
     n: int
 
+    @property
+    def reserved_tokens(self) -> int:
+        """What admission reserves: the prompt plus every sample's max_tokens."""
+        return self.prompt_tokens + self.max_tokens * self.n
+
 
 @dataclass(frozen=True)
 class Admitted:
     priority: int
     headers: dict[str, str]  # e.g. x-ratelimit-* to send with the response
-    handle: Any = None  # whatever the admission needs back at release (a quota lease, a queue ticket)
+    handle: Any = None  # what the admission needs back at release (its gates' passes)
+    queue_wait_s: float | None = None  # seconds the grant waited in the fair queue; None without a queue
 
 
 @dataclass(frozen=True)
@@ -54,34 +59,28 @@ class FinalUsage:
 
 
 class RequestAdmission(Protocol):
+    @property
+    def queue(self) -> FairQueue | None: ...
+
     async def admit(self, request: AdmissionRequest) -> Admitted: ...
 
     async def release(self, request: AdmissionRequest, admitted: Admitted, usage: FinalUsage) -> None: ...
 
+    def stats(self) -> dict[str, Any]:
+        """Counters since start (grants, refusals by reason, queue and quota-store state)."""
+        ...
 
-class PriorityClampAdmission:
-    """Admits everything; the priority is the requested one (or the tenant's default) clamped into the
-    tenant policy's [min_priority, max_priority] (keys read from Tenant.policy when present)."""
-
-    async def admit(self, request: AdmissionRequest) -> Admitted:
-        policy = request.tenant.policy
-        lo = _int(policy.get("min_priority"), DEFAULT_MIN_PRIORITY)
-        hi = max(lo, _int(policy.get("max_priority"), DEFAULT_MAX_PRIORITY))
-        wanted = request.requested_priority
-        if wanted is None:
-            wanted = _int(policy.get("default_priority"), max(lo, DEFAULT_PRIORITY))
-        return Admitted(priority=min(max(wanted, lo), hi), headers={})
-
-    async def release(self, request: AdmissionRequest, admitted: Admitted, usage: FinalUsage) -> None:
-        return None
+    async def close(self) -> None: ...
 
 
 class UsageReporter(Protocol):
     async def report(self, tenant: Tenant, usage: FinalUsage) -> None: ...
 
+    async def close(self) -> None: ...
+
 
 class StoreUsageReporter:
-    """Adds each finished request to the tenant's hourly usage counters in the store."""
+    """Adds each finished request to the tenant's hourly usage counters in the store (one write each)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -95,6 +94,5 @@ class StoreUsageReporter:
         except Exception:  # usage must never turn a served request into an error
             log.exception("could not record usage for tenant %s", tenant.id)
 
-
-def _int(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    async def close(self) -> None:
+        """Nothing is pending: every report was written when it was made."""

@@ -1,8 +1,8 @@
 """`InstrumentedAdmission`: any RequestAdmission, with its spans, refusals and queue wait recorded.
 
-Spans: `gateway.admission` around admit(); when the grant carries a queue ticket (QuotaAdmission's
-grants do: `handle.ticket.waited_s`), its two phases become children `gateway.quota` and
-`gateway.queue`, timed from the ticket's wait. Refusals (any ApiError from admit) count in
+Spans: `gateway.admission` around admit(); when the grant waited in a queue (`Admitted.queue_wait_s`,
+set by GatedAdmission's fair-queue gate), its two phases become children `gateway.quota` and
+`gateway.queue`, timed from that wait. Refusals (any ApiError from admit) count in
 `loraplex_quota_refusals_total{tenant, reason}` with the reason named from the error's status and code.
 """
 
@@ -15,8 +15,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage, RequestAdmission
 from gateway.http.errors import ApiError
-from gateway.observability.metrics import QueueDepths
 from gateway.observability.telemetry import Telemetry
+from policies import FairQueue
 
 # (status, error code) → refusal reason label (bounded); anything else is "other".
 REFUSAL_REASONS = {
@@ -33,32 +33,20 @@ def refusal_reason(error: ApiError) -> str:
     return REFUSAL_REASONS.get((error.status, error.code or ""), "other")
 
 
-def queue_wait_s(admitted: Admitted) -> float | None:
-    """Seconds the grant waited in the fair queue, when its handle says (a policies Ticket inside)."""
-    ticket = getattr(admitted.handle, "ticket", None)
-    waited = getattr(ticket, "waited_s", None)
-    return float(waited) if isinstance(waited, int | float) else None
-
-
 class InstrumentedAdmission:
     def __init__(self, inner: RequestAdmission, telemetry: Telemetry) -> None:
         self.inner = inner
         self.telemetry = telemetry
 
     @property
-    def queue(self) -> QueueDepths | None:
-        """The inner admission's queue, if it has one with depth accessors (policies.FairQueue)."""
-        queue = getattr(self.inner, "queue", None)
-        return queue if callable(getattr(queue, "depth_by_priority", None)) else None
+    def queue(self) -> FairQueue | None:
+        return self.inner.queue
 
     def stats(self) -> dict[str, Any]:
-        stats = getattr(self.inner, "stats", None)
-        return stats() if callable(stats) else {}
+        return self.inner.stats()
 
     async def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            await close()
+        await self.inner.close()
 
     async def admit(self, request: AdmissionRequest) -> Admitted:
         tracer, metrics = self.telemetry.tracer, self.telemetry.metrics
@@ -80,7 +68,7 @@ class InstrumentedAdmission:
                 raise
             ended_ns, elapsed = time.time_ns(), time.perf_counter() - started
             span.set_attribute("loraplex.priority", admitted.priority)
-            waited = queue_wait_s(admitted)
+            waited = admitted.queue_wait_s
             metrics.queue_wait.observe(waited if waited is not None else elapsed)
             if waited is not None:
                 split_ns = max(started_ns, ended_ns - int(waited * 1e9))

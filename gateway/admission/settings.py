@@ -1,4 +1,5 @@
-"""`QuotaSettings` and `build_quota_admission`: how `loraplex serve` assembles quotas and the fair queue.
+"""`QuotaSettings`, `build_quota_backend` and `build_admission`: how `loraplex serve` (and every gateway
+test) assembles the admission: GatedAdmission([QuotaGate(quota backend), FairQueueGate(fair queue)]).
 
 Backends:
     no Redis URL   MemoryQuotaBackend (one gateway). Budget counters persist in
@@ -17,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.admission.quota import QuotaAdmission
+from gateway.admission.gates import GatedAdmission
+from gateway.admission.queue import FairQueueGate
+from gateway.admission.quota import QuotaGate
 from policies import (
     FailoverConfig,
     FailoverQuotaBackend,
@@ -60,20 +63,23 @@ class QuotaSettings:
             raise ValueError("max_total_queued must be >= 0 and quantum_tokens >= 1")
 
 
-def build_quota_admission(settings: QuotaSettings, *, redis_url: str | None = None,
-                          data_dir: Path | None = None) -> QuotaAdmission:
+def build_quota_backend(settings: QuotaSettings, *, redis_url: str | None = None,
+                        data_dir: Path | None = None) -> QuotaBackend:
     """Redis-backed (with failover) when `redis_url` is set, else in memory with the ledger in `data_dir`
     (no ledger, so budgets restart from zero, when `data_dir` is None)."""
     config = QuotaConfig(lease_ttl_s=settings.lease_ttl_s)
     if redis_url:
-        quota: QuotaBackend
         shared = RedisQuotaBackend.from_url(redis_url, config, timeout_s=settings.redis_timeout_s)
-        quota = FailoverQuotaBackend(shared, FailoverConfig(mode=FAIL_MODES[settings.fail_mode],
-                                                            local_limit_fraction=settings.fail_open_fraction))
-    else:
-        ledger = SqliteUsageLedger(data_dir / LEDGER_FILE) if data_dir is not None else None
-        quota = MemoryQuotaBackend(config, ledger=ledger)
+        return FailoverQuotaBackend(shared, FailoverConfig(mode=FAIL_MODES[settings.fail_mode],
+                                                           local_limit_fraction=settings.fail_open_fraction),
+                                    quota_config=config)
+    ledger = SqliteUsageLedger(data_dir / LEDGER_FILE) if data_dir is not None else None
+    return MemoryQuotaBackend(config, ledger=ledger)
+
+
+def build_admission(settings: QuotaSettings, quota: QuotaBackend) -> GatedAdmission:
+    """The gates in order: the quota (rate limits, budgets, concurrency lease), then the fair queue."""
     queue = FairQueue(FairQueueConfig(capacity=settings.queue_capacity, max_total_queued=settings.max_total_queued,
                                       quantum_tokens=settings.quantum_tokens,
                                       default_timeout_s=settings.queue_timeout_s))
-    return QuotaAdmission(quota, queue, queue_timeout_s=settings.queue_timeout_s)
+    return GatedAdmission([QuotaGate(quota), FairQueueGate(queue, settings.queue_timeout_s)], queue=queue)

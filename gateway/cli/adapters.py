@@ -50,7 +50,7 @@ def add_adapters_parser(sub: argparse._SubParsersAction, env: Mapping[str, str])
     show.add_argument("--json", action="store_true", help="print the API's JSON")
     delete = asub.add_parser("delete", parents=[client], help="delete every version of an adapter")
     delete.add_argument("name")
-    adapters.set_defaults(handler="gateway.cli.adapters:run_adapters")
+    adapters.set_defaults(handler=run_adapters)
 
 
 class CliFailure(Exception):

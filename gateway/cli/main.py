@@ -5,6 +5,10 @@ LORAPLEX_* environment variable (the flag wins): --model (LORAPLEX_MODEL), --ser
 (LORAPLEX_SERVED_MODEL_NAME), --host (LORAPLEX_HOST), --port (LORAPLEX_PORT), --data-dir
 (LORAPLEX_DATA_DIR), --redis-url (LORAPLEX_REDIS_URL). Operator commands open the same store the
 gateway uses: Redis when --redis-url is set, else <data-dir>/store.db.
+
+`loraplex worker ...` is the engine worker's own command (worker/cli.py, also `loraplex-worker` and
+`python -m worker`): this process execs it with the same arguments, so the gateway's code never imports
+the worker's and the worker's flags are parsed by the worker's parser.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from gateway.cli.adapters import add_adapters_parser
+from gateway.cli.errors import CommandError
 
 DEFAULT_DATA_DIR = Path.home() / ".loraplex"
 DEFAULT_GATEWAY_PORT = 8000
-DEFAULT_WORKER_PORT = 8001
+WORKER_COMMAND = "worker"
 
 
 def common_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -32,7 +38,7 @@ def common_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                        help="the base model's name in the API (default: the model directory's name)")
     group.add_argument("--host", default=env.get("LORAPLEX_HOST", "127.0.0.1"), help="address to listen on")
     group.add_argument("--port", type=int, default=_int_env(env, "LORAPLEX_PORT"),
-                       help=f"port to listen on (serve: {DEFAULT_GATEWAY_PORT}, worker: {DEFAULT_WORKER_PORT})")
+                       help=f"port to listen on (serve: {DEFAULT_GATEWAY_PORT})")
     group.add_argument("--data-dir", type=Path, default=Path(env.get("LORAPLEX_DATA_DIR", DEFAULT_DATA_DIR)),
                        help="store, adapters and the demo model live here")
     group.add_argument("--redis-url", default=env.get("LORAPLEX_REDIS_URL"),
@@ -43,13 +49,32 @@ def common_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
+    """The local worker's engine (`serve` passes them on to `loraplex worker`, which has the same flags)."""
+    group = parser.add_argument_group("engine options (of the local worker)")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--dtype", default="auto")
     group.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-loras", type=int, default=8)
     group.add_argument("--max-lora-rank", type=int, default=64)
+
+
+def chat_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Chat prompts and tool calls of `serve` (docs/gateway.md, "Chat templates" and "Tools")."""
+    from tokenization.tool_formats import FORMATS  # stdlib only: cheap to parse with
+
+    group = parser.add_argument_group("chat options")
+    group.add_argument("--chat-template", type=Path, metavar="FILE", default=env.get("LORAPLEX_CHAT_TEMPLATE") or None,
+                       help="a Jinja chat template that replaces the checkpoint's (also LORAPLEX_CHAT_TEMPLATE)")
+    group.add_argument("--tool-call-parser", choices=sorted(FORMATS), metavar="NAME",
+                       default=env.get("LORAPLEX_TOOL_CALL_PARSER") or None,
+                       help="the tool call format: " + ", ".join(sorted(FORMATS)) + " (default: the one the chat "
+                            "template shows; also LORAPLEX_TOOL_CALL_PARSER)")
+    group.add_argument("--allow-special-tokens-in-content", action="store_true",
+                       default=_bool_env(env, "LORAPLEX_ALLOW_SPECIAL_TOKENS_IN_CONTENT"),
+                       help="let message text spell control tokens (<|eot_id|>, ...) that the model reads as "
+                            "markup; by default they are tokenized as text (also "
+                            "LORAPLEX_ALLOW_SPECIAL_TOKENS_IN_CONTENT=1)")
 
 
 def quota_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -76,19 +101,16 @@ def routing_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     group.add_argument("--routing", choices=("cache_aware", "round_robin", "least_loaded"),
                        default=env.get("LORAPLEX_ROUTING", "cache_aware"),
                        help="how requests are spread over workers (default cache_aware; also LORAPLEX_ROUTING)")
-    group.add_argument("--discover-workers", action="store_true",
-                       default=_bool_env(env, "LORAPLEX_DISCOVER_WORKERS"),
-                       help="route to the workers that heartbeat in --redis-url (also LORAPLEX_DISCOVER_WORKERS=1)")
-
-
-def registration_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """A worker announcing itself to the gateways through Redis heartbeats."""
-    group = parser.add_argument_group("registration options")
-    group.add_argument("--register-redis-url", default=env.get("LORAPLEX_REGISTER_REDIS_URL") or None,
-                       help="heartbeat this worker's URL and state into this Redis (also LORAPLEX_REGISTER_REDIS_URL)")
-    group.add_argument("--advertise-url", default=env.get("LORAPLEX_ADVERTISE_URL") or None,
-                       help="the URL gateways use to reach this worker, e.g. http://worker-1:8001 "
-                            "(also LORAPLEX_ADVERTISE_URL)")
+    group.add_argument("--discover-workers", nargs="?", const="redis", type=_discovery_source, metavar="SOURCE",
+                       default=_discovery_env(env, "LORAPLEX_DISCOVER_WORKERS"),
+                       help="route to discovered workers: redis (the default when the flag stands alone: workers that "
+                            "heartbeat in --redis-url) or dns://HOST:PORT (the addresses of a Kubernetes headless "
+                            "Service, e.g. dns://loraplex-workers.NAMESPACE.svc:8001); also LORAPLEX_DISCOVER_WORKERS "
+                            "(1/yes/redis or dns://...)")
+    group.add_argument("--discovery-interval", type=float,
+                       default=_float_env(env, "LORAPLEX_DISCOVERY_INTERVAL", 5.0),
+                       help="seconds between two DNS resolutions with --discover-workers dns://... (default 5; also "
+                            "LORAPLEX_DISCOVERY_INTERVAL)")
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -103,15 +125,15 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     serve.add_argument("--access-log", action="store_true", default=_bool_env(env, "LORAPLEX_ACCESS_LOG"),
                        help="log one line per HTTP request (off by default: it costs the gateway CPU on every "
                             "request; also LORAPLEX_ACCESS_LOG=1)")
+    chat_options(serve, env)
     quota_options(serve, env)
     routing_options(serve, env)
-    serve.set_defaults(handler="gateway.cli.serve:run_serve")
+    serve.set_defaults(handler=_run_serve, port=_int_env(env, "LORAPLEX_PORT") or DEFAULT_GATEWAY_PORT)
 
-    worker = sub.add_parser("worker", parents=[common],
-                            help="an engine worker as an internal HTTP service (secret in LORAPLEX_WORKER_SECRET)")
-    engine_options(worker)
-    registration_options(worker, env)
-    worker.set_defaults(handler="gateway.cli.serve:run_worker_command")
+    # Listed for --help only: main() hands `loraplex worker ...` to the worker's own command unparsed.
+    sub.add_parser(WORKER_COMMAND, add_help=False,
+                   help="an engine worker as an internal HTTP service (secret in LORAPLEX_WORKER_SECRET); "
+                        "its flags: loraplex worker --help")
 
     tenants = sub.add_parser("tenants", help="create, list and show tenants")
     tsub = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -122,7 +144,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     tsub.add_parser("list", parents=[common], help="list tenants")
     show = tsub.add_parser("show", parents=[common], help="a tenant, its keys and today's usage")
     show.add_argument("tenant", help="tenant name or id")
-    tenants.set_defaults(handler="gateway.cli.operator:run_tenants")
+    tenants.set_defaults(handler=_run_tenants)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -138,18 +160,18 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     klist.add_argument("--tenant", default=None, help="only this tenant's keys")
     krevoke = ksub.add_parser("revoke", parents=[common], help="revoke a key for good")
     krevoke.add_argument("key_id")
-    keys.set_defaults(handler="gateway.cli.operator:run_keys")
+    keys.set_defaults(handler=_run_keys)
     add_adapters_parser(sub, env)  # tenants: loraplex adapters upload|list|show|delete
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [WORKER_COMMAND]:
+        exec_worker(argv[1:])
     args = build_parser().parse_args(argv)
-    module_name, func_name = args.handler.split(":")
-    # NOTE: imported lazily so `loraplex keys ...` does not load torch, and a worker not the gateway.
-    module = __import__(module_name, fromlist=[func_name])
     try:
-        return int(getattr(module, func_name)(args) or 0)
+        return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return 130
     except CommandError as e:
@@ -157,8 +179,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-class CommandError(Exception):
-    """A problem the operator can fix; printed without a traceback."""
+def exec_worker(argv: Sequence[str]) -> NoReturn:
+    """Become the worker's command with these flags (same process id, environment and signals: a
+    container's PID 1 stays the worker)."""
+    from gateway.workers.supervisor import worker_argv
+
+    command = worker_argv(argv)
+    os.execv(command[0], command)
+
+
+# The handlers import their modules when they run, so `loraplex keys ...` does not load the gateway app.
+def _run_serve(args: argparse.Namespace) -> int:
+    from gateway.cli.serve import run_serve
+
+    return run_serve(args)
+
+
+def _run_tenants(args: argparse.Namespace) -> int:
+    from gateway.cli.operator import run_tenants
+
+    return run_tenants(args)
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    from gateway.cli.operator import run_keys
+
+    return run_keys(args)
 
 
 def _bool_env(env: Mapping[str, str], name: str) -> bool:
@@ -180,8 +226,44 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise SystemExit(f"loraplex: error: {name} must be an integer port, got {value!r}") from None
 
 
-if __name__ == "__main__":
-    # Run through the package module so that its classes (CommandError) are the ones handlers raise.
-    from gateway.cli.main import main as package_main
+def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env.get(name, "").strip()
+    if value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"loraplex: error: {name} must be a number of seconds, got {value!r}") from None
 
-    sys.exit(package_main())
+
+def _discovery_source(value: str) -> str:
+    """A `--discover-workers` value: "redis", or a dns://HOST:PORT URL (checked here)."""
+    if value.strip().lower() == "redis":
+        return "redis"
+    if value.startswith("dns://"):
+        from gateway.workers.dns_discovery import parse_dns_url  # stdlib only: cheap to parse with
+
+        try:
+            parse_dns_url(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    raise argparse.ArgumentTypeError(f"expected redis or dns://HOST:PORT, got {value!r}")
+
+
+def _discovery_env(env: Mapping[str, str], name: str) -> str | None:
+    """LORAPLEX_DISCOVER_WORKERS: off (unset, 0/false/no), Redis (1/true/yes/redis) or dns://HOST:PORT."""
+    value = env.get(name, "").strip()
+    if value.lower() in ("", "0", "false", "no"):
+        return None
+    if value.lower() in ("1", "true", "yes"):
+        return "redis"
+    try:
+        return _discovery_source(value)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"loraplex: error: {name} must be 1/true/yes/redis, 0/false/no or dns://HOST:PORT: {e}"
+                         ) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

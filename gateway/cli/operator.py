@@ -8,7 +8,7 @@ import re
 import time
 from datetime import UTC, datetime
 
-from gateway.cli.main import CommandError
+from gateway.cli.errors import CommandError
 from gateway.store import AlreadyExistsError, ApiKey, NotFoundError, Store, Tenant, open_store
 
 OPERATORS_TENANT = "operators"
@@ -78,7 +78,7 @@ def run_tenants(args: argparse.Namespace) -> int:
             print(f"tenant:   {tenant.name} ({tenant.id})")
             print(f"status:   {'suspended' if tenant.suspended else 'active'}{', shared' if tenant.shared else ''}")
             print(f"created:  {_when(tenant.created_at)}")
-            print(f"policy:   {json.dumps(tenant.policy, sort_keys=True)}")
+            print(f"policy:   {json.dumps(tenant.policy.overrides(), sort_keys=True)}")
             print(f"today:    {today.requests} requests, {today.prompt_tokens} prompt + {today.completion_tokens} "
                   f"completion tokens ({today.cached_tokens} cached)")
             keys = store.list_api_keys(tenant.id)

@@ -1,4 +1,8 @@
-"""`loraplex serve` (gateway + one supervised local worker) and `loraplex worker`."""
+"""`loraplex serve`: the gateway plus one supervised local worker (or external workers).
+
+NOTE: the gateway process never imports torch: the demo model is built by a child process
+(`python -m demo.checkpoint`), and the local worker is the worker's own command (worker/cli.py).
+"""
 
 from __future__ import annotations
 
@@ -8,36 +12,29 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from gateway.cli.main import DEFAULT_GATEWAY_PORT, DEFAULT_WORKER_PORT, CommandError
+from gateway.cli.errors import CommandError
 
 DEMO_MODEL_NAME = "loraplex-demo"
 DEMO_TENANT = "demo"
 
 
-def demo_model_spec():
-    """Small but not trivial: 4 layers, GQA 8/4 heads, hidden 256, llama3 rope (about 2.4 M parameters)."""
-    from demo.checkpoint import FAMILIES, TinyModelSpec
-
-    llama = FAMILIES["llama"]
-    return TinyModelSpec(**{**llama.__dict__, "hidden_size": 256, "intermediate_size": 704,
-                            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4})
-
-
 def ensure_demo_model(data_dir: Path) -> Path:
-    """<data_dir>/demo-model, built once (atomically: a half-written model is never picked up)."""
+    """<data_dir>/demo-model (demo.checkpoint.DEMO_SPEC), built once (atomically: a half-written model is
+    never picked up) by `python -m demo.checkpoint` in a child process, which loads torch so this one does not."""
     target = data_dir / "demo-model"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
-    from demo.checkpoint import make_checkpoint
-
     print(f"building the demo model in {target} ...", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=data_dir))
     try:
-        make_checkpoint(tmp, demo_model_spec())
+        built = subprocess.run([sys.executable, "-P", "-m", "demo.checkpoint", str(tmp)], check=False)
+        if built.returncode != 0:
+            raise CommandError(f"building the demo model failed (exit code {built.returncode})")
         if target.exists():
             shutil.rmtree(target)
         os.rename(tmp, target)
@@ -66,20 +63,22 @@ def free_loopback_port() -> int:
 
 
 def worker_command(args: argparse.Namespace, model: Path, served_name: str, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "gateway.cli.main", "worker", "--model", str(model), "--served-model-name", served_name,
-        "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(args.data_dir), "--device", args.device,
+    """The local worker's command line (worker/cli.py flags; its secret goes in the environment)."""
+    from gateway.workers.supervisor import worker_argv
+
+    return worker_argv([
+        "--model", str(model), "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
         "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
         "--max-num-seqs", str(args.max_num_seqs), "--max-loras", str(args.max_loras),
         "--max-lora-rank", str(args.max_lora_rank),
         *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []),
-    ]
+    ])
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.config import ModelConfig
     from gateway.adapters.registry import AdapterUploadConfig
     from gateway.admission.usage import BatchedUsageReporter
     from gateway.app import build_app
@@ -88,7 +87,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.state import GatewayConfig
     from gateway.workers.http_client import HttpEngineClient
     from gateway.workers.supervisor import WorkerLaunch, WorkerSupervisor
-    from tokenization.tokenizer import Tokenizer
+    from tokenization.tokenizer import ChatTemplateError, Tokenizer
+    from wire.checkpoint import ModelConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("httpx", "httpcore"):  # one INFO line per worker call is a per-request cost
@@ -118,9 +118,14 @@ def run_serve(args: argparse.Namespace) -> int:
     config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters")
     admission = quota_admission(args)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model), max_lora_rank=args.max_lora_rank)
-    app = build_app(config, store, client, Tokenizer(model), admission=admission, resources=resources,
+    try:
+        tokenizer = Tokenizer(model, chat_template=args.chat_template,
+                              special_tokens_in_content=args.allow_special_tokens_in_content)
+    except ChatTemplateError as e:
+        raise CommandError(f"--chat-template: {e}") from None
+    app = build_app(config, store, client, tokenizer, admission=admission, resources=resources,
                     adapter_uploads=uploads, telemetry=telemetry, usage=BatchedUsageReporter(store))
-    port = args.port or DEFAULT_GATEWAY_PORT
+    port = args.port
     print(f"loraplex gateway on http://{args.host}:{port}/v1 serving '{served_name}'", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=5,
@@ -132,9 +137,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def external_worker_client(args: argparse.Namespace, on_decision):
     """(client, resources) for external workers: one `--worker-url` is used directly; several, or
-    `--discover-workers` (heartbeats in --redis-url), go through a RoutingEngineClient (docs/scaling.md).
-    All share the secret in LORAPLEX_WORKER_SECRET."""
-    from gateway.workers.heartbeat import RedisWorkerDirectory, check_worker_url
+    `--discover-workers` (heartbeats in --redis-url, or dns://HOST:PORT), go through a RoutingEngineClient
+    (docs/scaling.md, docs/kubernetes.md). All share the secret in LORAPLEX_WORKER_SECRET."""
+    from gateway.workers.heartbeat import check_worker_url
     from gateway.workers.http_client import HttpEngineClient
     from gateway.workers.registry import WorkerRegistry
     from gateway.workers.router import RoutingEngineClient
@@ -151,9 +156,12 @@ def external_worker_client(args: argparse.Namespace, on_decision):
         raise CommandError(str(e)) from None
     if len(urls) == 1 and not args.discover_workers:
         return HttpEngineClient(urls[0], secret), None
-    if args.discover_workers and not args.redis_url:
+    if args.discover_workers == "redis" and not args.redis_url:
         raise CommandError("--discover-workers needs --redis-url (the workers heartbeat there)")
-    directory = RedisWorkerDirectory(args.redis_url) if args.discover_workers else None
+    try:
+        directory = worker_directory(args)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     try:
         registry = WorkerRegistry(lambda url: HttpEngineClient(url, secret), urls=urls, directory=directory)
     except ValueError as e:
@@ -162,9 +170,23 @@ def external_worker_client(args: argparse.Namespace, on_decision):
     return router, router.running
 
 
+def worker_directory(args: argparse.Namespace):
+    """Where `--discover-workers` finds workers: Redis heartbeats, a DNS name (dns://HOST:PORT), or None."""
+    from gateway.workers.dns_discovery import DnsDiscoveryConfig, DnsWorkerDirectory
+    from gateway.workers.heartbeat import RedisWorkerDirectory
+
+    if not args.discover_workers:
+        return None
+    if args.discover_workers == "redis":
+        return RedisWorkerDirectory(args.redis_url)
+    return DnsWorkerDirectory(DnsDiscoveryConfig.from_url(args.discover_workers,
+                                                          interval_s=args.discovery_interval))
+
+
 def quota_admission(args: argparse.Namespace):
-    """Quotas and the fair queue: Redis-backed with --redis-url, else in memory (ledger in the data dir)."""
-    from gateway.admission.settings import QuotaSettings, build_quota_admission
+    """The admission (quota gate, then the fair queue): Redis-backed with --redis-url, else in memory (budget
+    ledger in the data dir). The gateway tests build theirs with the same `build_admission`."""
+    from gateway.admission.settings import QuotaSettings, build_admission, build_quota_backend
 
     try:
         workers = max(1, len(getattr(args, "worker_url", None) or []))  # configured; discovered ones: set it
@@ -173,46 +195,4 @@ def quota_admission(args: argparse.Namespace):
                                  queue_timeout_s=args.queue_timeout)
     except ValueError as e:
         raise CommandError(str(e)) from None
-    return build_quota_admission(settings, redis_url=args.redis_url, data_dir=args.data_dir)
-
-
-def run_worker_command(args: argparse.Namespace) -> int:
-    from engine.async_llm import AsyncLLM
-    from engine.config import EngineConfig
-    from gateway.workers.supervisor import SECRET_ENV
-    from worker.server import run_worker
-
-    secret = os.environ.get(SECRET_ENV, "")
-    if not secret:
-        raise CommandError(f"set the shared secret in {SECRET_ENV} (the gateway sends it with every call)")
-    if not args.model:
-        raise CommandError("loraplex worker needs --model (or LORAPLEX_MODEL)")
-    heartbeat = registration_heartbeat(args)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
-    config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
-                          kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
-                          max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
-    llm = AsyncLLM.from_config(config)
-    served_name = args.served_model_name or Path(args.model).name
-    from gateway.observability.tracing import WORKER_SERVICE_NAME, build_tracer_provider
-
-    run_worker(llm, served_name, secret, host=args.host, port=args.port or DEFAULT_WORKER_PORT,
-               tracer_provider=build_tracer_provider(WORKER_SERVICE_NAME, args.otlp_endpoint),
-               background=(lambda service: heartbeat.run(service.state)) if heartbeat else None)
-    return 0
-
-
-def registration_heartbeat(args: argparse.Namespace):
-    """The worker's Redis heartbeat (`--register-redis-url` with `--advertise-url`), or None."""
-    from gateway.workers.heartbeat import HeartbeatConfig, WorkerHeartbeat
-
-    if not args.register_redis_url:
-        if args.advertise_url:
-            raise CommandError("--advertise-url only matters with --register-redis-url")
-        return None
-    if not args.advertise_url:
-        raise CommandError("--register-redis-url needs --advertise-url (how gateways reach this worker)")
-    try:
-        return WorkerHeartbeat(HeartbeatConfig(redis_url=args.register_redis_url, advertise_url=args.advertise_url))
-    except ValueError as e:
-        raise CommandError(str(e)) from None
+    return build_admission(settings, build_quota_backend(settings, redis_url=args.redis_url, data_dir=args.data_dir))

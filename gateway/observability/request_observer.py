@@ -2,8 +2,8 @@
 
 `GenerationResponse` makes one per request (when the app has telemetry): it opens the
 `gateway.worker_call` span and hands the worker that span's `traceparent`, watches the engine's deltas
-(first-token and inter-token latency, output tokens per second) and, at `finish`, records tokens,
-end-to-end latency and the span's GenAI attributes.
+(first-token and inter-token latency, output tokens per second; O(1) per delta: it keeps counters and
+two timestamps) and, at `finish`, records tokens, end-to-end latency and the span's GenAI attributes.
 """
 
 from __future__ import annotations
@@ -11,14 +11,39 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Protocol
 
 from opentelemetry.trace import SpanKind, StatusCode
 from starlette.types import Scope
 
-from gateway.admission.base import AdmissionRequest, FinalUsage
 from gateway.observability.telemetry import REQUEST_TELEMETRY_KEY, RequestTelemetry
 from gateway.observability.tracing import traceparent_of
+from gateway.store import Tenant
 from wire.protocol import GenerateDelta, GenerateRequest
+
+
+# NOTE: what the observer reads of gateway.admission.base's AdmissionRequest and FinalUsage, as protocols:
+# admission is instrumented with this package (gateway/admission/instrumented.py), so it cannot import back.
+class AdmissionRequest(Protocol):
+    @property
+    def tenant(self) -> Tenant: ...
+
+    @property
+    def model(self) -> str: ...
+
+
+class FinalUsage(Protocol):
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+    @property
+    def outcome(self) -> str: ...
 
 
 class RequestObserver:
@@ -32,7 +57,7 @@ class RequestObserver:
         adapter = engine_request.adapter
         self.span = self.telemetry.tracer.start_span("gateway.worker_call", kind=SpanKind.CLIENT, attributes={
             "gen_ai.operation.name": "chat", "gen_ai.request.model": self.model,
-            "gen_ai.request.max_tokens": int(engine_request.sampling.get("max_tokens") or 0),
+            "gen_ai.request.max_tokens": engine_request.sampling.max_tokens,
             "loraplex.tenant": self.tenant, "loraplex.request_id": engine_request.request_id,
             "loraplex.priority": engine_request.priority,
             "loraplex.adapter": adapter.name if adapter else "",

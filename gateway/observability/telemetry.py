@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -26,7 +25,6 @@ from gateway.observability.metrics import GatewayMetrics, QueueDepths, ScrapeInp
 from gateway.observability.recent_activity import RecentActivity
 from gateway.observability.tracing import (
     GATEWAY_SERVICE_NAME,
-    OTLP_ENDPOINT_ENV,
     build_tracer_provider,
     parent_from_traceparent,
     tracer_from,
@@ -61,13 +59,6 @@ class TelemetryConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.activity_window_s < self.activity_bucket_s:
             raise ValueError("activity_window_s must be >= activity_bucket_s")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> TelemetryConfig:
-        """Defaults, with the OTLP endpoint from LORAPLEX_OTLP_ENDPOINT (overrides win)."""
-        env = os.environ if env is None else env
-        endpoint = env.get(OTLP_ENDPOINT_ENV) or None
-        return cls(**{"otlp_endpoint": endpoint, **overrides})
 
 
 class Telemetry:

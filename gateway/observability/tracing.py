@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing: one TracerProvider per app (or worker), W3C trace context to the worker.
+"""OpenTelemetry tracing: one TracerProvider per gateway app, W3C trace context to the worker.
 
 A gateway request yields this span tree (names are stable; attributes follow the GenAI conventions):
 
@@ -30,10 +30,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, BaseUser
 from starlette.requests import HTTPConnection
 
-OTLP_ENDPOINT_ENV = "LORAPLEX_OTLP_ENDPOINT"
 OTLP_TRACES_PATH = "/v1/traces"
-GATEWAY_SERVICE_NAME = "loraplex-gateway"
-WORKER_SERVICE_NAME = "loraplex-worker"
+GATEWAY_SERVICE_NAME = "loraplex-gateway"  # the worker's: worker/tracing.py
 INSTRUMENTATION_NAME = "loraplex"
 
 

@@ -1,17 +1,20 @@
 """Engine deltas → OpenAI response objects: chat.completion(.chunk) and text_completion.
 
-A `Formatter` knows one endpoint's shapes; `Accumulator` sums deltas for non-streaming answers and for
-usage. Logprobs use the tokenizer to name tokens; -inf becomes -9999.0 as in OpenAI's API (JSON has no
-infinity).
+A `Formatter` knows one endpoint's shapes. A streamed answer keeps only counters per sample
+(`StreamCounters`: tokens, characters, finish reason), so each chunk costs the same at any position; a
+non-streamed answer (`Collected`) also keeps each sample's text pieces and logprobs, because its caller
+asks for the whole. Logprobs use the tokenizer to name tokens; -inf becomes -9999.0 as in OpenAI's API
+(JSON has no infinity).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from wire.protocol import GenerateDelta, SampleDelta, TokenLogprob
+from wire.protocol import GenerateDelta, Logprob, SampleDelta
 
 MIN_LOGPROB = -9999.0
 
@@ -21,17 +24,18 @@ def _lp(value: float) -> float:
 
 
 @dataclass
-class SampleState:
-    text: str = ""
+class SampleCounters:
     num_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_chars: int = 0  # characters of text sent so far (the completions API's text_offset)
     finish_reason: str | None = None
     started: bool = False  # the first (role) chunk went out
 
 
-class Accumulator:
+class StreamCounters:
+    """What a streamed answer keeps per request: O(1) per delta, nothing that grows with the output."""
+
     def __init__(self, n: int) -> None:
-        self.samples = [SampleState() for _ in range(n)]
+        self.samples = [SampleCounters() for _ in range(n)]
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -39,11 +43,10 @@ class Accumulator:
         self.prompt_tokens = delta.num_prompt_tokens
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         for s in delta.samples:
-            state = self.samples[s.index]
-            state.text += s.text
-            state.num_tokens += len(s.token_ids)
-            state.logprobs.extend(s.logprobs or [])
-            state.finish_reason = s.finish_reason or state.finish_reason
+            counters = self.samples[s.index]
+            counters.num_tokens += len(s.token_ids)
+            counters.num_chars += len(s.text)
+            counters.finish_reason = s.finish_reason or counters.finish_reason
 
     @property
     def completion_tokens(self) -> int:
@@ -53,6 +56,26 @@ class Accumulator:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Collected(StreamCounters):
+    """A non-streamed answer: the counters plus every sample's text pieces and logprobs."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.pieces: list[list[str]] = [[] for _ in range(n)]
+        self.logprobs: list[list[Logprob]] = [[] for _ in range(n)]
+
+    def add(self, delta: GenerateDelta) -> None:
+        super().add(delta)
+        for s in delta.samples:
+            if s.text:
+                self.pieces[s.index].append(s.text)
+            if s.logprobs:
+                self.logprobs[s.index].extend(s.logprobs)
+
+    def text(self, index: int) -> str:
+        return "".join(self.pieces[index])
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
@@ -65,7 +88,7 @@ class Formatter:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, model: str, token_text, with_logprobs: bool) -> None:
+    def __init__(self, response_id: str, model: str, token_text: Callable[[int], str], with_logprobs: bool) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -76,8 +99,9 @@ class Formatter:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def chunk(self, delta: GenerateDelta, acc: Accumulator, include_usage: bool) -> dict | None:
-        choices = [c for s in delta.samples if (c := self._chunk_choice(s, acc.samples[s.index])) is not None]
+    def chunk(self, delta: GenerateDelta, counters: StreamCounters, include_usage: bool) -> dict | None:
+        """The chunk for `delta`, which `counters` already holds (None when it carries nothing to send)."""
+        choices = [c for s in delta.samples if (c := self._chunk_choice(s, counters.samples[s.index])) is not None]
         if not choices:
             return None
         out = self._envelope(self.chunk_object_name, choices)
@@ -85,17 +109,17 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, acc: Accumulator) -> dict:
-        return {**self._envelope(self.chunk_object_name, []), "usage": acc.usage()}
+    def usage_chunk(self, counters: StreamCounters) -> dict:
+        return {**self._envelope(self.chunk_object_name, []), "usage": counters.usage()}
 
-    def response(self, acc: Accumulator) -> dict:
-        choices = [self._final_choice(i, s) for i, s in enumerate(acc.samples)]
-        return {**self._envelope(self.object_name, choices), "usage": acc.usage()}
+    def response(self, collected: Collected) -> dict:
+        choices = [self._final_choice(i, collected) for i in range(len(collected.samples))]
+        return {**self._envelope(self.object_name, choices), "usage": collected.usage()}
 
-    def _chunk_choice(self, s: SampleDelta, state: SampleState) -> dict | None:
+    def _chunk_choice(self, s: SampleDelta, counters: SampleCounters) -> dict | None:
         raise NotImplementedError
 
-    def _final_choice(self, index: int, state: SampleState) -> dict:
+    def _final_choice(self, index: int, collected: Collected) -> dict:
         raise NotImplementedError
 
 
@@ -103,10 +127,10 @@ class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def _chunk_choice(self, s: SampleDelta, state: SampleState) -> dict | None:
+    def _chunk_choice(self, s: SampleDelta, counters: SampleCounters) -> dict | None:
         delta: dict = {}
-        if not state.started:
-            state.started = True
+        if not counters.started:
+            counters.started = True
             delta["role"] = "assistant"
             delta["content"] = s.text
         elif s.text:
@@ -119,12 +143,14 @@ class ChatFormatter(Formatter):
             choice["logprobs"] = {"content": self._content_logprobs(s.logprobs), "refusal": None}
         return choice
 
-    def _final_choice(self, index: int, state: SampleState) -> dict:
-        logprobs = {"content": self._content_logprobs(state.logprobs), "refusal": None} if self.with_logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": state.text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": openai_finish_reason(state.finish_reason)}
+    def _final_choice(self, index: int, collected: Collected) -> dict:
+        logprobs = None
+        if self.with_logprobs:
+            logprobs = {"content": self._content_logprobs(collected.logprobs[index]), "refusal": None}
+        return {"index": index, "message": {"role": "assistant", "content": collected.text(index), "refusal": None},
+                "logprobs": logprobs, "finish_reason": openai_finish_reason(collected.samples[index].finish_reason)}
 
-    def _content_logprobs(self, logprobs: list[TokenLogprob]) -> list[dict]:
+    def _content_logprobs(self, logprobs: list[Logprob]) -> list[dict]:
         def entry(token_id: int, value: float) -> dict:
             text = self.token_text(token_id)
             return {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
@@ -137,20 +163,20 @@ class CompletionFormatter(Formatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def _chunk_choice(self, s: SampleDelta, state: SampleState) -> dict | None:
+    def _chunk_choice(self, s: SampleDelta, counters: SampleCounters) -> dict | None:
         finish = openai_finish_reason(s.finish_reason)
         if not s.text and finish is None and not s.token_ids:
             return None
-        offset = len(state.text) - len(s.text)  # state already holds this delta
+        offset = counters.num_chars - len(s.text)  # the counters already hold this delta
         logprobs = self._logprobs(s.logprobs or [], offset) if self.with_logprobs else None
         return {"index": s.index, "text": s.text, "logprobs": logprobs, "finish_reason": finish}
 
-    def _final_choice(self, index: int, state: SampleState) -> dict:
-        logprobs = self._logprobs(state.logprobs, 0) if self.with_logprobs else None
-        return {"index": index, "text": state.text, "logprobs": logprobs,
-                "finish_reason": openai_finish_reason(state.finish_reason)}
+    def _final_choice(self, index: int, collected: Collected) -> dict:
+        logprobs = self._logprobs(collected.logprobs[index], 0) if self.with_logprobs else None
+        return {"index": index, "text": collected.text(index), "logprobs": logprobs,
+                "finish_reason": openai_finish_reason(collected.samples[index].finish_reason)}
 
-    def _logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
+    def _logprobs(self, logprobs: list[Logprob], offset: int) -> dict:
         tokens, values, tops, offsets = [], [], [], []
         for lp in logprobs:
             text = self.token_text(lp.token_id)

@@ -3,7 +3,11 @@
 The answer is an ASGI response that watches for the client going away the whole time (while queued,
 while waiting for the first token, mid-stream); then it closes the engine stream, which aborts the
 request in the worker. Whatever happens, admission is released and usage reported exactly once.
-Errors before the first byte are proper statuses; after it, one `data: {"error": ...}` event.
+Errors before the first byte are proper statuses; after it, one `data: {"error": ...}` event. Either way
+a failure is the worker clients' one `RequestError`, answered through its code's one table entry
+(wire/errors.py: status, OpenAI type, retry-after): the tenant sees the code and its short message.
+
+A streamed answer keeps only counters per chunk; a non-streamed one collects the text it returns.
 """
 
 from __future__ import annotations
@@ -18,17 +22,11 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage, RequestAdmission, UsageReporter
-from gateway.http.errors import ApiError, service_unavailable
+from gateway.http.errors import ApiError
 from gateway.observability.request_observer import RequestObserver
-from gateway.openai.format import Accumulator, Formatter
-from gateway.workers.client import (
-    AdapterUnavailableError,
-    EngineClient,
-    EngineClientError,
-    WorkerFailedError,
-    WorkerRequestError,
-    WorkerUnavailableError,
-)
+from gateway.openai.format import Collected, Formatter, StreamCounters
+from gateway.workers.client import EngineClient
+from wire.errors import ErrorCode, RequestError
 from wire.protocol import GenerateDelta, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -45,14 +43,12 @@ class Generation:
     include_usage: bool
 
 
-def api_error_for(error: EngineClientError) -> ApiError:
-    if isinstance(error, WorkerRequestError):
-        return ApiError(400, str(error), code="invalid_request")
-    if isinstance(error, AdapterUnavailableError):
-        return ApiError(503, str(error), code="adapter_unavailable")
-    if isinstance(error, WorkerUnavailableError):
-        return service_unavailable(f"No engine worker is available right now ({error}). Retry shortly.")
-    return ApiError(500, f"The engine worker failed while generating: {error}", code="engine_error")
+def api_error_for(error: RequestError) -> ApiError:
+    """The OpenAI-shaped answer to a failed request: its code's status and type, the code itself."""
+    code = error.code
+    headers = {"retry-after": str(code.retry_after_s)} if code.retry_after_s else None
+    return ApiError(code.http_status, error.message, param=error.param, code=code.value,
+                    error_type=code.openai_type, headers=headers)
 
 
 class GenerationResponse(Response):
@@ -63,7 +59,7 @@ class GenerationResponse(Response):
         self.engine = engine
         self.admission = admission
         self.usage_reporter = usage
-        self.accumulator = Accumulator(generation.n)
+        self.counters = Collected(generation.n) if not generation.stream else StreamCounters(generation.n)
         self.outcome = "error"
         self.final_usage = FinalUsage(0, 0, 0, "error")  # set by _finish
 
@@ -99,8 +95,9 @@ class GenerationResponse(Response):
     async def _answer(self, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
         try:
             first = await _next_delta(deltas)
-        except EngineClientError as e:
-            await _send_json(send, api_error_for(e).status, api_error_for(e).body(), api_error_for(e).headers)
+        except RequestError as e:
+            error = api_error_for(e)
+            await _send_json(send, error.status, error.body(), error.headers)
             return
         if self.generation.stream:
             await self._stream(first, deltas, send)
@@ -108,17 +105,19 @@ class GenerationResponse(Response):
             await self._collect(first, deltas, send)
 
     async def _collect(self, first: GenerateDelta | None, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
+        collected = self.counters
+        assert isinstance(collected, Collected)
         try:
             delta = first
             while delta is not None:
-                self.accumulator.add(delta)
+                collected.add(delta)
                 delta = None if delta.finished else await _next_delta(deltas)
-        except EngineClientError as e:
+        except RequestError as e:
             error = api_error_for(e)
             await _send_json(send, error.status, error.body(), error.headers)
             return
         self.outcome = "ok"
-        body = self.generation.formatter.response(self.accumulator)
+        body = self.generation.formatter.response(collected)
         await _send_json(send, 200, body, self.generation.admitted.headers)
 
     async def _stream(self, first: GenerateDelta | None, deltas: AsyncIterator[GenerateDelta], send: Send) -> None:
@@ -126,21 +125,21 @@ class GenerationResponse(Response):
                    (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in self.generation.admitted.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        formatter, include_usage = self.generation.formatter, self.generation.include_usage
+        formatter, include_usage, counters = self.generation.formatter, self.generation.include_usage, self.counters
         try:
             delta = first
             while delta is not None:
-                self.accumulator.add(delta)
-                chunk = formatter.chunk(delta, self.accumulator, include_usage)
+                counters.add(delta)
+                chunk = formatter.chunk(delta, counters, include_usage)
                 if chunk is not None:
                     await _send_event(send, chunk)
                 delta = None if delta.finished else await _next_delta(deltas)
-        except EngineClientError as e:
+        except RequestError as e:
             await _send_event(send, api_error_for(e).body())
         else:
             self.outcome = "ok"
             if include_usage:
-                await _send_event(send, formatter.usage_chunk(self.accumulator))
+                await _send_event(send, formatter.usage_chunk(counters))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _finish(self, deltas: AsyncIterator[GenerateDelta]) -> None:
@@ -148,9 +147,8 @@ class GenerationResponse(Response):
             await deltas.aclose()  # type: ignore[attr-defined]
         except Exception:
             log.exception("closing the engine stream failed")
-        acc = self.accumulator
-        usage = self.final_usage = FinalUsage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens,
-                                              self.outcome)
+        c = self.counters
+        usage = self.final_usage = FinalUsage(c.prompt_tokens, c.completion_tokens, c.cached_tokens, self.outcome)
         try:
             await self.admission.release(self.generation.admission_request, self.generation.admitted, usage)
         except Exception:
@@ -159,14 +157,12 @@ class GenerationResponse(Response):
 
 
 async def _next_delta(deltas: AsyncIterator[GenerateDelta]) -> GenerateDelta:
-    """The next delta; a failed request or a stream that ends unfinished is WorkerFailedError."""
+    """The next delta. Raises the client's RequestError; a stream that ends unfinished is engine_error."""
     try:
-        delta = await anext(deltas)
+        return await anext(deltas)
     except StopAsyncIteration:
-        raise WorkerFailedError("the engine stream ended before the request finished") from None
-    if delta.error is not None:
-        raise WorkerFailedError(delta.error)
-    return delta
+        log.warning("an engine stream ended before its request finished")
+        raise RequestError(ErrorCode.ENGINE_ERROR) from None
 
 
 async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str]) -> None:

@@ -1,7 +1,13 @@
 """The OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
 
-Each handler: scope check → body validation → model resolution → prompt tokens and sampling fields →
-admission (the policies seam) → a GenerationResponse that streams or collects the engine's deltas.
+Each handler: scope check → body validation → model resolution → prompt tokens and the request's one
+SamplingParams (gateway/openai/prompt.py) → admission (the policies seam) → a GenerationResponse that
+streams or collects the engine's deltas.
+
+Prefix caching, three names for three things: a tenant's `cache_salt` (chosen by the server, never by a
+client), the public sharing choice (the tenant policy `share_prefix_cache`: its requests use
+`PUBLIC_CACHE_SALT`), and the radix cache's namespace, which the engine keys by the request's salt and
+its adapter's content (wire.protocol.prefix_namespace).
 """
 
 from __future__ import annotations
@@ -15,25 +21,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.adapters.resolver import ResolvedModel
 from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage
 from gateway.auth.backend import TENANT_SCOPE, TenantUser, require_scope
 from gateway.http.errors import invalid_request, model_not_found
 from gateway.openai.format import ChatFormatter, CompletionFormatter, Formatter
 from gateway.openai.generation import Generation, GenerationResponse
-from gateway.openai.models import ResolvedModel
-from gateway.openai.prompt import chat_prompt_ids, completion_prompt_ids, sampling_fields
+from gateway.openai.prompt import chat_prompt_ids, completion_prompt_ids, sampling_params
 from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.state import GatewayState
 from gateway.store import Tenant
 from wire.protocol import GenerateRequest
+from wire.sampling import SamplingParams
 
 PUBLIC_CACHE_SALT = "public"
 
 
-def cache_namespace(tenant: Tenant) -> str:
-    """The prefix-cache salt for a tenant's requests: its own, unless an operator made it public
-    (policy `share_prefix_cache`, see policies.TenantPolicy)."""
-    return PUBLIC_CACHE_SALT if tenant.policy.get("share_prefix_cache") is True else tenant.cache_salt
+def request_cache_salt(tenant: Tenant) -> str:
+    """The cache salt of a tenant's requests: its own, unless an operator shares its prefixes (policy
+    `share_prefix_cache`, see policies.TenantPolicy)."""
+    return PUBLIC_CACHE_SALT if tenant.policy.share_prefix_cache else tenant.cache_salt
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -49,8 +56,9 @@ async def chat_completions(request: Request) -> Response:
         raise invalid_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompt_ids = chat_prompt_ids(state.tokenizer, body)
-    max_tokens = body.requested_max_tokens or state.config.default_max_tokens
-    sampling = sampling_fields(body, max_tokens, logprobs)
+    requested = body.requested_max_tokens
+    max_tokens = state.config.default_max_tokens if requested is None else requested
+    sampling = sampling_params(body, max_tokens, logprobs)
     formatter = ChatFormatter(_new_id("chatcmpl"), resolved.served_name, state.token_text, logprobs is not None)
     return await _start(request, state, user, body, resolved, prompt_ids, sampling, formatter)
 
@@ -67,8 +75,8 @@ async def completions(request: Request) -> Response:
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
     prompt_ids = completion_prompt_ids(state.tokenizer, body)
-    max_tokens = body.max_tokens or state.config.default_completion_max_tokens
-    sampling = sampling_fields(body, max_tokens, body.logprobs)
+    max_tokens = state.config.default_completion_max_tokens if body.max_tokens is None else body.max_tokens
+    sampling = sampling_params(body, max_tokens, body.logprobs)
     formatter = CompletionFormatter(_new_id("cmpl"), resolved.served_name, state.token_text,
                                     body.logprobs is not None)
     return await _start(request, state, user, body, resolved, prompt_ids, sampling, formatter)
@@ -76,10 +84,10 @@ async def completions(request: Request) -> Response:
 
 async def _start(request: Request, state: GatewayState, user: TenantUser,
                  body: ChatCompletionRequest | CompletionRequest, resolved: ResolvedModel, prompt_ids: list[int],
-                 sampling: dict, formatter: Formatter) -> Response:
+                 sampling: SamplingParams, formatter: Formatter) -> Response:
     ticket = AdmissionRequest(
         request_id=formatter.response_id, tenant=user.tenant, model=resolved.served_name,
-        requested_priority=body.priority, prompt_tokens=len(prompt_ids), max_tokens=sampling["max_tokens"],
+        requested_priority=body.priority, prompt_tokens=len(prompt_ids), max_tokens=sampling.max_tokens,
         n=body.n,
     )
     admitted = await _admit_while_connected(request, state, ticket)  # may raise ApiError (429, 503, 400)
@@ -89,7 +97,7 @@ async def _start(request: Request, state: GatewayState, user: TenantUser,
         engine_request = GenerateRequest(
             request_id=formatter.response_id, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=admitted.priority, adapter=resolved.adapter_spec(state.adapter_root),
-            cache_salt=cache_namespace(user.tenant), traceparent=request.headers.get("traceparent"),
+            cache_salt=request_cache_salt(user.tenant), traceparent=request.headers.get("traceparent"),
         )
         generation = Generation(ticket, admitted, engine_request, formatter, body.n, body.stream,
                                 body.include_usage)

@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI API as pydantic models.
 
 Like OpenAI: unknown fields are ignored, wrong types are 400 invalid_request_error naming the param
-(strict types: "5" is not an int). Bounds that OpenAI documents are enforced here; engine-specific
-limits (context length, vocabulary) are checked by the engine and come back as 400s too.
+(strict types: "5" is not an int). These models check JSON types and shapes only (which fields, lists
+of what, how many stop sequences); the values of sampling fields are bounded once, by
+wire.sampling.SamplingParams, when gateway/openai/prompt.py builds it. Engine limits (context length,
+vocabulary) are checked by the engine; all of these come back as 400s naming the param.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.errors import ApiError, invalid_request
 
-MAX_N = 16
 MAX_STOP_SEQUENCES = 4
 
 
@@ -60,32 +61,24 @@ class _SamplingFields(_Body):
     """Fields chat and completions share (OpenAI names, plus vLLM's extras)."""
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM-compatible extras
     priority: int | None = None
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     ignore_eos: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stops_non_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else (value or [])
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty strings")
-        return value
 
     @property
     def include_usage(self) -> bool:
@@ -94,9 +87,9 @@ class _SamplingFields(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
 
     @property
@@ -109,9 +102,9 @@ PromptInput = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    best_of: int | None = None
     suffix: str | None = None
     response_format: ResponseFormat | None = None
 

@@ -18,6 +18,7 @@ import json
 import secrets
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -39,17 +40,17 @@ from gateway.store.models import (
     check_sha256,
     check_time,
     json_text,
-    policy_text,
 )
+from gateway.store.stored_policy import as_policy, policy_json
 from gateway.store.usage_buckets import (
     HOUR,
     day_range,
     floor_to,
     group_hours,
     hour_span,
-    month_range,
     sum_totals,
 )
+from policies.tenant_policy import TenantPolicy
 
 LAST_USED_RESOLUTION_S = 60.0  # authenticate writes last_used_at at most once a minute per key
 MAX_AUDIT_PAGE = 1000
@@ -87,16 +88,17 @@ class Store(ABC):
     # ---- tenants ---------------------------------------------------------------------------------
 
     def create_tenant(
-        self, name: str, *, policy: dict[str, Any] | None = None, shared: bool = False,
+        self, name: str, *, policy: TenantPolicy | Mapping[str, Any] | None = None, shared: bool = False,
         now: float | None = None,
     ) -> Tenant:
-        """A new active tenant with a fresh server-chosen cache salt. AlreadyExistsError if the name is taken."""
-        text = policy_text(policy)
+        """A new active tenant with a fresh server-chosen cache salt. AlreadyExistsError if the name is taken;
+        InvalidPolicy (a ValueError naming the field) if `policy` is a mapping that does not validate."""
+        checked = as_policy(policy)
         tenant = Tenant(
             id="ten_" + secrets.token_hex(8), name=check_name("tenant", name), created_at=self._now(now),
-            suspended=False, policy=json.loads(text), cache_salt=secrets.token_hex(16), shared=bool(shared),
+            suspended=False, policy=checked, cache_salt=secrets.token_hex(16), shared=bool(shared),
         )
-        self._insert_tenant(tenant, text)
+        self._insert_tenant(tenant, policy_json(checked))
         return tenant
 
     @abstractmethod
@@ -109,9 +111,12 @@ class Store(ABC):
     def list_tenants(self) -> list[Tenant]:
         """All tenants, oldest first."""
 
-    def update_policy(self, tenant_id: str, policy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Replace the tenant's policy; returns (before, after) for the audit log. NotFoundError if unknown."""
-        before, after = self._update_tenant(tenant_id, policy_json=policy_text(policy))
+    def update_policy(
+        self, tenant_id: str, policy: TenantPolicy | Mapping[str, Any]
+    ) -> tuple[TenantPolicy, TenantPolicy]:
+        """Replace the tenant's policy; returns (before, after) for the audit log. NotFoundError if unknown,
+        InvalidPolicy if `policy` is a mapping that does not validate."""
+        before, after = self._update_tenant(tenant_id, policy_json=policy_json(as_policy(policy)))
         self._auth_changed()
         return before.policy, after.policy
 
@@ -273,12 +278,8 @@ class Store(ABC):
         return sum_totals(counts for _, counts in self._usage_hours(tenant_id, lo, hi))
 
     def day_totals(self, tenant_id: str, at: float | None = None) -> UsageTotals:
-        """Usage of the UTC day holding `at` (daily budgets)."""
+        """Usage of the UTC day holding `at` (the admin API's "today"; budgets are the quota backend's)."""
         return self.usage_totals(tenant_id, *day_range(self._now(at)))
-
-    def month_totals(self, tenant_id: str, at: float | None = None) -> UsageTotals:
-        """Usage of the UTC calendar month holding `at` (monthly budgets)."""
-        return self.usage_totals(tenant_id, *month_range(self._now(at)))
 
     # ---- audit -----------------------------------------------------------------------------------
 

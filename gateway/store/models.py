@@ -1,7 +1,8 @@
 """Records the store keeps, and the rules their fields obey.
 
-Times are POSIX seconds (float, UTC). Records are frozen snapshots: the store returns fresh objects
-(and fresh `policy` dicts) on every read, so mutating one never changes what is stored.
+Times are POSIX seconds (float, UTC). Records are frozen snapshots: the store returns fresh objects on
+every read, so nothing a caller holds changes what is stored. A tenant's policy is an immutable, validated
+`policies.TenantPolicy` (gateway/store/stored_policy.py says how it is kept).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
+
+from policies.tenant_policy import TenantPolicy
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SCOPE_PATTERN = re.compile(r"[a-z][a-z0-9:_-]{0,63}")
@@ -70,24 +73,16 @@ def json_text(what: str, value: Any) -> str:
         raise ValueError(f"{what} is not JSON-serializable: {exc}") from None
 
 
-def policy_text(policy: dict[str, Any] | None) -> str:
-    """A tenant policy is an opaque JSON object owned by the policies package."""
-    if policy is None:
-        policy = {}
-    if not isinstance(policy, dict):
-        raise ValueError(f"policy must be a JSON object (dict), got {type(policy).__name__}")
-    return json_text("policy", policy)
-
-
 @dataclass(frozen=True)
 class Tenant:
     id: str
     name: str
     created_at: float
     suspended: bool
-    policy: dict[str, Any] = field(hash=False)  # opaque JSON object; schema owned by policies/
+    policy: TenantPolicy  # validated; the defaults when the stored one is invalid (then see policy_error)
     cache_salt: str  # chosen by the server at creation, never by a client; namespaces the KV cache
     shared: bool = False
+    policy_error: str | None = None  # why the stored policy is not enforced, when it does not validate
 
 
 @dataclass(frozen=True)

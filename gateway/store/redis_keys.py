@@ -14,8 +14,7 @@
     adapter_totals:{tenant}       hash   count, bytes of live versions
     usage:{tenant}:hours          zset   hour starts that have a counter hash (score = member)
     usage:{tenant}:h:{start}      hash   requests prompt_tokens completion_tokens cached_tokens
-    usage:{tenant}:d:{start}      hash   same, per UTC day (kept beside hours for cheap budgets)
-    usage:{tenant}:m:{YYYYMM}     hash   same, per UTC month
+    usage:{tenant}:d:{start}      hash   same, per UTC day (kept beside hours: one read for "today")
     audit:next                    string last audit id handed out
     audit:ids / audit:entries     zset / hash   id -> JSON [at, actor, action, target, before, after]
 
@@ -91,9 +90,6 @@ class RedisKeys:
 
     def usage_day(self, tenant_id: str, day_start: int) -> str:
         return f"{self.prefix}usage:{tenant_id}:d:{day_start}"
-
-    def usage_month(self, tenant_id: str, month: str) -> str:
-        return f"{self.prefix}usage:{tenant_id}:m:{month}"
 
     @property
     def audit_next(self) -> str:

@@ -98,13 +98,13 @@ end
 return changed
 """
 
-# KEYS: tenant:{tid}, usage hours zset, hour hash, day hash, month hash.
+# KEYS: tenant:{tid}, usage hours zset, hour hash, day hash.
 # ARGV: hour_start, requests, prompt_tokens, completion_tokens, cached_tokens.
 INCREMENT_USAGE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
 local fields = {'requests', 'prompt_tokens', 'completion_tokens', 'cached_tokens'}
-for k = 3, 5 do
+for k = 3, 4 do
   for i = 1, 4 do redis.call('HINCRBY', KEYS[k], fields[i], ARGV[i + 1]) end
 end
 return 1

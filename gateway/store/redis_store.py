@@ -27,7 +27,8 @@ from gateway.store.models import (
     check_sha256,
 )
 from gateway.store.redis_keys import RedisKeys
-from gateway.store.usage_buckets import DAY, floor_to, month_key
+from gateway.store.stored_policy import read_policy
+from gateway.store.usage_buckets import DAY, floor_to
 
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
@@ -52,8 +53,9 @@ def optional_float(fields: dict[str, str], name: str) -> float | None:
 
 
 def tenant_from_hash(h: dict[str, str]) -> Tenant:
+    policy, problem = read_policy(h["id"], h["policy"])
     return Tenant(id=h["id"], name=h["name"], created_at=float(h["created_at"]), suspended=h["suspended"] == "1",
-                  policy=json.loads(h["policy"]), cache_salt=h["cache_salt"], shared=h["shared"] == "1")
+                  policy=policy, cache_salt=h["cache_salt"], shared=h["shared"] == "1", policy_error=problem)
 
 
 def key_from_hash(h: dict[str, str]) -> ApiKey:
@@ -245,8 +247,7 @@ class RedisStore(Store):
 
     def _increment_usage(self, tenant_id: str, at: float, hour_start: int, counts: UsageTotals) -> None:
         keys = [self.keys.tenant(tenant_id), self.keys.usage_hours(tenant_id),
-                self.keys.usage_hour(tenant_id, hour_start), self.keys.usage_day(tenant_id, floor_to(at, DAY)),
-                self.keys.usage_month(tenant_id, month_key(at))]
+                self.keys.usage_hour(tenant_id, hour_start), self.keys.usage_day(tenant_id, floor_to(at, DAY))]
         args = [hour_start, counts.requests, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens]
         if not self._run("INCREMENT_USAGE", keys, args):
             raise NotFoundError("tenant", tenant_id)
@@ -262,11 +263,6 @@ class RedisStore(Store):
         """One read of the day counter (kept in the same script that bumps the hour)."""
         day = floor_to(self._now(at), DAY)
         return usage_from_hash(self._redis.hgetall(self.keys.usage_day(tenant_id, day)))
-
-    def month_totals(self, tenant_id: str, at: float | None = None) -> UsageTotals:
-        """One read of the month counter."""
-        month = month_key(self._now(at))
-        return usage_from_hash(self._redis.hgetall(self.keys.usage_month(tenant_id, month)))
 
     # ---- audit -----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from gateway.store.models import (
 )
 from gateway.store.sqlite_connections import SqliteConnections, SqliteOptions
 from gateway.store.sqlite_schema import prepare_database
+from gateway.store.stored_policy import read_policy
 
 KEY_COLUMNS = "k.id, k.tenant_id, k.prefix, k.hash, k.scopes, k.name, k.created_at, k.expires_at, " \
     "k.revoked_at, k.last_used_at"
@@ -27,8 +28,9 @@ TENANT_COLUMNS = "t.id, t.name, t.created_at, t.suspended, t.policy, t.cache_sal
 
 def tenant_from_row(row: sqlite3.Row | tuple, offset: int = 0) -> Tenant:
     r = tuple(row)[offset:offset + 7]
-    return Tenant(id=r[0], name=r[1], created_at=r[2], suspended=bool(r[3]), policy=json.loads(r[4]),
-                  cache_salt=r[5], shared=bool(r[6]))
+    policy, problem = read_policy(r[0], r[4])
+    return Tenant(id=r[0], name=r[1], created_at=r[2], suspended=bool(r[3]), policy=policy,
+                  cache_salt=r[5], shared=bool(r[6]), policy_error=problem)
 
 
 def key_from_row(row: sqlite3.Row | tuple) -> ApiKey:

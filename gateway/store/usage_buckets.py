@@ -1,10 +1,9 @@
-"""UTC time buckets for usage counters: hours are stored, days and months are sums of hours."""
+"""UTC time buckets for usage counters: hours are stored, days are sums of hours."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from datetime import UTC, datetime
 
 from gateway.store.models import Granularity, UsageRow, UsageTotals
 
@@ -32,19 +31,6 @@ def day_range(at: float) -> tuple[int, int]:
     """[start, end) of the UTC day holding `at`."""
     start = floor_to(at, DAY)
     return start, start + DAY
-
-
-def month_range(at: float) -> tuple[int, int]:
-    """[start, end) of the UTC calendar month holding `at`."""
-    moment = datetime.fromtimestamp(at, UTC)
-    start = datetime(moment.year, moment.month, 1, tzinfo=UTC)
-    end = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=UTC)
-    return int(start.timestamp()), int(end.timestamp())
-
-
-def month_key(at: float) -> str:
-    """"YYYYMM" of the UTC month holding `at`."""
-    return datetime.fromtimestamp(at, UTC).strftime("%Y%m")
 
 
 def hour_span(since: float, until: float, granularity: Granularity) -> tuple[int, int]:

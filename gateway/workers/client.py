@@ -1,10 +1,11 @@
 """How the gateway talks to engine workers: one interface, two transports.
 
-`EngineClient.generate` yields `GenerateDelta`s until one is finished, and raises:
-    WorkerRequestError      the worker refused the request as invalid (answer 400)
-    AdapterUnavailableError the adapter cannot be served there (answer 503 with a clear message)
-    WorkerUnavailableError  no worker could take it (not reachable, restarting): nothing ran (answer 503)
-    WorkerFailedError       the worker failed or vanished mid-request (answer 500 / an error event)
+`EngineClient.generate` yields `GenerateDelta`s until one is finished. A request that fails raises one
+exception type whatever the transport, `wire.errors.RequestError`, whose `code` says what happened:
+    invalid_request      the worker refused it as invalid (bad parameters, prompt longer than the context)
+    adapter_unavailable  the adapter cannot be served there
+    worker_unavailable   no worker could take it (not reachable, restarting): nothing ran
+    engine_error         the worker failed or vanished mid-request
 Closing the iterator early aborts the request in the engine.
 
 `InProcessEngineClient` runs an AsyncLLM in this process (tests, embedded use); `HttpEngineClient`
@@ -15,49 +16,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import NoReturn
 
-from wire.protocol import (
-    ADAPTER_UNAVAILABLE,
-    INVALID_REQUEST,
-    GenerateDelta,
-    GenerateError,
-    GenerateRequest,
-    WorkerState,
-)
-
-
-class EngineClientError(Exception):
-    pass
-
-
-class WorkerRequestError(EngineClientError):
-    """The request can never run as asked (bad parameters, prompt longer than the context)."""
-
-
-class AdapterUnavailableError(EngineClientError):
-    pass
-
-
-class WorkerUnavailableError(EngineClientError):
-    """No worker accepted the request; it did not start."""
-
-
-class WorkerFailedError(EngineClientError):
-    """The request started but the worker failed or went away."""
+from wire.protocol import GenerateDelta, GenerateRequest, WorkerState
 
 
 class EngineClient(ABC):
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Stream deltas (see the module docstring for the errors)."""
+        """Stream deltas; raises RequestError (see the module docstring)."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Abort a running request (no error if it is unknown or finished)."""
 
     @abstractmethod
-    async def state(self) -> WorkerState: ...
+    async def state(self) -> WorkerState:
+        """The worker's load and cache state; RequestError(worker_unavailable) when there is none."""
 
     @abstractmethod
     async def healthy(self) -> bool: ...
@@ -66,32 +40,20 @@ class EngineClient(ABC):
         return None
 
 
-def raise_for_error(message: GenerateError, started: bool) -> NoReturn:
-    """Turn a worker's GenerateError message into the matching client exception."""
-    if message.code == INVALID_REQUEST and not started:
-        raise WorkerRequestError(message.message)
-    if message.code == ADAPTER_UNAVAILABLE:
-        raise AdapterUnavailableError(message.message)
-    raise WorkerFailedError(message.message)
-
-
 class InProcessEngineClient(EngineClient):
-    """Over a `WorkerService` in this process (its AsyncLLM runs in its own thread)."""
+    """Over a `WorkerService` in this process (its AsyncLLM runs in its own thread). The service's deltas
+    and RequestErrors pass through unchanged."""
 
     def __init__(self, service) -> None:  # worker.server.WorkerService
         self.service = service
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        started = False
-        messages = self.service.generate(request)
+        deltas = self.service.generate(request)
         try:
-            async for message in messages:
-                if isinstance(message, GenerateError):
-                    raise_for_error(message, started)
-                started = True
-                yield message
+            async for delta in deltas:
+                yield delta
         finally:
-            await messages.aclose()
+            await deltas.aclose()
 
     async def abort(self, request_id: str) -> None:
         await self.service.abort(request_id)

@@ -1,8 +1,10 @@
 """`EngineClient` over HTTP: NDJSON streaming from one worker (worker/server.py).
 
-Connection failures before the response starts are WorkerUnavailableError (nothing ran); a stream
-that breaks or ends without a finished delta is WorkerFailedError. Leaving the stream early closes the
-connection, which the worker takes as an abort; an explicit /abort is sent as well.
+Every failure is a `wire.errors.RequestError`: the worker's own error line as it sent it; a connection
+that fails before the response starts is worker_unavailable (nothing ran); a stream that breaks or ends
+without a finished delta is engine_error. The cause (worker URL, socket error) is logged here, once;
+tenants see only the code's message. Leaving the stream early closes the connection, which the worker
+takes as an abort; an explicit /abort is sent as well.
 
 `generate` goes through gateway/workers/http_pool.py (kept-alive connections, a pool whose cost does not grow
 with its size): a finished stream is read to its end (the worker ends it right after the finished delta)
@@ -21,19 +23,13 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 
-from gateway.workers.client import (
-    EngineClient,
-    WorkerFailedError,
-    WorkerRequestError,
-    WorkerUnavailableError,
-    raise_for_error,
-)
+from gateway.workers.client import EngineClient
 from gateway.workers.http_pool import PoolConfig, WorkerConnectError, WorkerHttpPool, WorkerProtocolError
+from wire.errors import ErrorCode, RequestError
 from wire.protocol import (
     TRACEPARENT_HEADER,
     WORKER_SECRET_HEADER,
     GenerateDelta,
-    GenerateError,
     GenerateRequest,
     ProtocolError,
     WorkerState,
@@ -63,21 +59,23 @@ class HttpEngineClient(EngineClient):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         headers = {TRACEPARENT_HEADER: request.traceparent} if request.traceparent else {}
         body = json.dumps(request.to_json(), separators=(",", ":")).encode()
+        rid = request.request_id
         started = finished = False
         resp = None
         try:
             resp = await self._streams.request("POST", "/generate", body, headers)
-            if resp.status == 400:
-                raise WorkerRequestError(_error_text(await resp.read()))
+            if resp.status == 400:  # the worker refused the request as it was sent
+                raise self._refusal(rid, await resp.read())
             if resp.status != 200:
-                raise WorkerUnavailableError(f"worker answered HTTP {resp.status}")
+                log.warning("worker %s answered HTTP %d to generate %s", self.base_url, resp.status, rid)
+                raise RequestError(ErrorCode.WORKER_UNAVAILABLE, request_id=rid)
             lines = resp.lines()
             async for line in lines:
                 if not line:
                     continue
                 message = parse_message(line)
-                if isinstance(message, GenerateError):
-                    raise_for_error(message, started)
+                if isinstance(message, RequestError):
+                    raise message
                 started = True
                 finished = message.finished
                 if finished:  # NOTE: before the yield: the consumer stops pulling after this delta
@@ -86,17 +84,20 @@ class HttpEngineClient(EngineClient):
                 if finished:
                     return
         except WorkerConnectError as e:
-            raise WorkerUnavailableError(f"engine worker at {self.base_url} is not reachable ({e})") from None
+            log.warning("worker %s not reachable for %s: %.200s", self.base_url, rid, e)
+            raise RequestError(ErrorCode.WORKER_UNAVAILABLE, request_id=rid) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, UnicodeDecodeError,
                 WorkerProtocolError, ProtocolError) as e:
-            raise WorkerFailedError(f"connection to the engine worker broke: {type(e).__name__}") from None
+            log.warning("stream of %s from worker %s broke: %s: %.200s", rid, self.base_url, type(e).__name__, e)
+            raise RequestError(ErrorCode.ENGINE_ERROR, request_id=rid) from None
         finally:
             if resp is not None:
                 resp.close()  # back to the pool when read to the end, else closed (the worker aborts)
             if started and not finished:
-                self._abort_in_background(request.request_id)
+                self._abort_in_background(rid)
         if not finished:
-            raise WorkerFailedError("the engine worker closed the stream before the request finished")
+            log.warning("worker %s ended the stream of %s before it finished", self.base_url, rid)
+            raise RequestError(ErrorCode.ENGINE_ERROR, request_id=rid)
 
     async def abort(self, request_id: str) -> None:
         try:
@@ -109,7 +110,7 @@ class HttpEngineClient(EngineClient):
             resp = await self._http.get("/state", timeout=5.0)
             resp.raise_for_status()
         except httpx.HTTPError as e:
-            raise WorkerUnavailableError(f"worker state unavailable: {e}") from None
+            raise RequestError(ErrorCode.WORKER_UNAVAILABLE, f"worker state unavailable: {type(e).__name__}") from e
         return WorkerState.from_json(resp.json())
 
     async def healthy(self) -> bool:
@@ -124,6 +125,17 @@ class HttpEngineClient(EngineClient):
             task.cancel()
         await self._streams.aclose()
         await self._http.aclose()
+
+    def _refusal(self, request_id: str, body: bytes) -> RequestError:
+        """The error line of a 400 answer (what the worker found wrong with the request)."""
+        try:
+            message = parse_message(body)
+        except ProtocolError:
+            message = None
+        if isinstance(message, RequestError):
+            return message
+        log.warning("worker %s refused %s: %.200r", self.base_url, request_id, body)
+        return RequestError(ErrorCode.INVALID_REQUEST, request_id=request_id)
 
     def _abort_in_background(self, request_id: str) -> None:
         try:
@@ -141,9 +153,3 @@ async def _read_to_end(lines: AsyncIterator[str]) -> None:
         async for _ in lines:  # a tail that breaks changes nothing: the request already finished
             pass
 
-
-def _error_text(body: bytes) -> str:
-    try:
-        return str(json.loads(body)["error"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode("utf-8", "replace")[:500]

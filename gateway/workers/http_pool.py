@@ -53,7 +53,6 @@ class _Connection:
         self.reader = reader
         self.writer = writer
         self.idle_since = time.monotonic()
-        self.reused = False
 
     def usable(self, now: float, idle_expiry_s: float) -> bool:
         return (not self.writer.is_closing() and not self.reader.at_eof()
@@ -180,7 +179,6 @@ class WorkerHttpPool:
         while self._idle:
             conn = self._idle.pop()
             if conn.usable(now, self.config.idle_expiry_s):
-                conn.reused = True
                 return conn
             conn.close()
         return None

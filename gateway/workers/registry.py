@@ -1,12 +1,13 @@
 """The engine workers one gateway can route to, and whether each is healthy right now.
 
-Workers come from configuration (`--worker-url`, repeatable) and/or from heartbeats in Redis
-(gateway/workers/heartbeat.py). A poll every `poll_interval_s` reads each worker's `/state` (that is the
-health check: it proves the worker answers with the secret) and, with discovery, the directory. A worker
-whose state poll fails `unhealthy_after` times in a row, or that refuses a connection while a request is
-being routed (`mark_unreachable`), leaves the rotation; its next successful poll brings it back. A
-discovered worker whose heartbeat expired is removed. Requests already running on a worker that dies end
-on their own: their streams break (WorkerFailedError in the HTTP client).
+Workers come from configuration (`--worker-url`, repeatable) and/or from a directory: heartbeats in Redis
+(gateway/workers/heartbeat.py) or a headless Service's DNS records (gateway/workers/dns_discovery.py). A
+poll every `poll_interval_s` reads each worker's `/state` (that is the health check: it proves the worker
+answers with the secret) and, with discovery, the directory. A worker whose state poll fails
+`unhealthy_after` times in a row, or that refuses a connection while a request is being routed
+(`mark_unreachable`), leaves the rotation; its next successful poll brings it back. A discovered worker that
+left the directory (heartbeat expired, DNS record gone) is removed. Requests already running on a worker
+that dies end on their own: their streams break (RequestError engine_error in the HTTP client).
 
 Load of a worker = requests this gateway has running there now + what the worker reported beyond the
 requests this gateway had there when it reported (an estimate of the other gateways' share).
@@ -19,12 +20,23 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.workers.client import EngineClient
-from gateway.workers.heartbeat import RedisWorkerDirectory, check_worker_url
+from gateway.workers.heartbeat import check_worker_url
 from wire.protocol import WorkerState
 
 log = logging.getLogger(__name__)
+
+
+class WorkerDirectory(Protocol):
+    """Where discovered workers come from (RedisWorkerDirectory, DnsWorkerDirectory)."""
+
+    async def members(self) -> dict[str, WorkerState | None]:
+        """URL → its last reported state, if the directory has one. Raises when it cannot be read."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,7 @@ class WorkerHandle:
 
     worker_id: str  # its URL
     client: EngineClient
-    discovered: bool = False  # from a Redis heartbeat (else configured)
+    discovered: bool = False  # from the directory (else configured)
     healthy: bool = False
     state: WorkerState | None = None
     in_flight: int = 0  # requests this gateway has running there
@@ -68,10 +80,10 @@ class WorkerHandle:
 
 class WorkerRegistry:
     def __init__(self, client_for: Callable[[str], EngineClient], *, urls: Sequence[str] = (),
-                 directory: RedisWorkerDirectory | None = None, config: RegistryConfig | None = None) -> None:
+                 directory: WorkerDirectory | None = None, config: RegistryConfig | None = None) -> None:
         """`client_for(url)` makes the client of a worker (called once per configured or discovered URL)."""
         if not urls and directory is None:
-            raise ValueError("a worker registry needs worker URLs or a Redis directory to discover them")
+            raise ValueError("a worker registry needs worker URLs or a directory to discover them")
         self.config = config or RegistryConfig()
         self._client_for = client_for
         self._directory = directory
@@ -161,8 +173,8 @@ class WorkerRegistry:
         assert self._directory is not None
         try:
             members = await self._directory.members()
-        except Exception as e:  # Redis down: keep what we have, configured and discovered alike
-            log.warning("worker discovery in Redis failed: %s", e)
+        except Exception as e:  # Redis or DNS down: keep what we have, configured and discovered alike
+            log.warning("worker discovery failed: %s", e)
             return
         for url in members:
             if url not in self._workers:
@@ -170,7 +182,8 @@ class WorkerRegistry:
                 self._workers[url] = WorkerHandle(url, self._client_for(url), discovered=True)
         for url, worker in list(self._workers.items()):
             if worker.discovered and url not in members:
-                log.warning("engine worker %s: heartbeat expired, removed", url)
+                log.warning("engine worker %s left the directory (heartbeat expired or DNS record gone), removed",
+                            url)
                 del self._workers[url]
                 worker.healthy, worker.retired = False, True
                 self._removed(url)

@@ -3,9 +3,9 @@
 Each `generate` takes a snapshot of the healthy workers (load, resident adapters, the prompt's match in
 this gateway's approximate prefix index), lets the `RoutingPolicy` pick one, counts the decision, records
 the prompt in the index under that worker, and streams from it. A worker that cannot be reached before
-anything ran (WorkerUnavailableError) leaves the rotation and the request is routed again among the
-others; one that fails mid-stream ends that request with WorkerFailedError (nothing is replayed: tokens
-were already sent) and is health-checked at once. With no healthy worker, WorkerUnavailableError (503).
+anything ran (RequestError worker_unavailable) leaves the rotation and the request is routed again among
+the others; one that fails mid-stream ends that request with its engine_error (nothing is replayed:
+tokens were already sent) and is health-checked at once. With no healthy worker, worker_unavailable.
 
 `state()` sums the healthy workers' states (the gateway's /metrics and dashboard show the fleet);
 `healthy()` is true while any worker is in rotation. Enter `running()` for the app's lifetime (it polls).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Collection
 
-from gateway.workers.client import EngineClient, WorkerFailedError, WorkerUnavailableError
+from gateway.workers.client import EngineClient
 from gateway.workers.prefix_index import PrefixIndex, page_hashes
 from gateway.workers.registry import WorkerHandle, WorkerRegistry
 from gateway.workers.routing_policy import (
@@ -26,12 +26,14 @@ from gateway.workers.routing_policy import (
     RoutingPolicy,
     WorkerView,
 )
+from wire.errors import ErrorCode, RequestError
 from wire.protocol import GenerateDelta, GenerateRequest, WorkerState
 
 
-def cache_namespace(request: GenerateRequest) -> str:
-    """The engine's prefix-cache namespace of a request: tenant cache salt and adapter content."""
-    return f"{request.cache_salt}\x00{request.adapter.sha256 if request.adapter else ''}"
+def index_namespace(request: GenerateRequest) -> str:
+    """The request's prefix-cache namespace (wire.protocol.prefix_namespace: cache salt, adapter content)
+    as the prefix index keys it: the engine's radix tree keys the same pair."""
+    return "\x00".join(request.prefix_namespace)
 
 
 class RoutingEngineClient(EngineClient):
@@ -52,12 +54,12 @@ class RoutingEngineClient(EngineClient):
             yield self
 
     def route(self, request: GenerateRequest, exclude: Collection[str] = ()) -> tuple[WorkerHandle, RoutingDecision]:
-        """Choose a worker for `request` (not one in `exclude`). Raises WorkerUnavailableError when none
-        is healthy. Does not record anything."""
+        """Choose a worker for `request` (not one in `exclude`). Raises RequestError(worker_unavailable)
+        when none is healthy. Does not record anything."""
         healthy = [w for w in self.registry.healthy_workers() if w.worker_id not in exclude]
         if not healthy:
-            raise WorkerUnavailableError("no engine worker is healthy")
-        namespace, tokens = cache_namespace(request), request.prompt_token_ids
+            raise RequestError(ErrorCode.WORKER_UNAVAILABLE, request_id=request.request_id)
+        namespace, tokens = index_namespace(request), request.prompt_token_ids
         matches = self.index.match(namespace, tokens) if self.config.strategy == "cache_aware" else {}
         views = [WorkerView(w.worker_id, w.load, w.resident_adapters, matches.get(w.worker_id, 0)) for w in healthy]
         start = min(len(tokens), self.config.prefix_index.page_size)
@@ -72,21 +74,25 @@ class RoutingEngineClient(EngineClient):
         while True:
             worker, decision = self.route(request, tried)
             self._on_decision(decision.reason)
-            self.index.insert(worker.worker_id, cache_namespace(request), request.prompt_token_ids)
+            self.index.insert(worker.worker_id, index_namespace(request), request.prompt_token_ids)
             if request.adapter is not None:
                 worker.adapters_sent.add(request.adapter.sha256)
             worker.in_flight += 1
             self._placement[request.request_id] = worker
             deltas = worker.client.generate(request)
+            started = False
             try:
                 async for delta in deltas:
+                    started = True
                     yield delta
                 return
-            except WorkerUnavailableError as e:  # nothing ran there: try another worker
-                self.registry.mark_unreachable(worker, str(e))
-                tried.add(worker.worker_id)
-            except WorkerFailedError:
-                self.registry.check_soon(worker)
+            except RequestError as e:
+                if e.code is ErrorCode.WORKER_UNAVAILABLE and not started:  # nothing ran there: try another
+                    self.registry.mark_unreachable(worker, e.message)
+                    tried.add(worker.worker_id)
+                    continue
+                if e.code is ErrorCode.ENGINE_ERROR:
+                    self.registry.check_soon(worker)
                 raise
             finally:
                 await deltas.aclose()  # type: ignore[attr-defined]
@@ -101,7 +107,7 @@ class RoutingEngineClient(EngineClient):
     async def state(self) -> WorkerState:
         states = [w.state for w in self.registry.healthy_workers() if w.state is not None]
         if not states:
-            raise WorkerUnavailableError("no engine worker is healthy")
+            raise RequestError(ErrorCode.WORKER_UNAVAILABLE)
         return combined_state(states)
 
     async def healthy(self) -> bool:

@@ -1,8 +1,8 @@
 """Keeps one local engine worker subprocess alive for `loraplex serve`.
 
-The worker is `python -m gateway.cli.main worker ...` on a loopback port, with its shared secret passed in
-the environment (never on the command line, where `ps` would show it). If it exits, requests in flight
-end with a clean error (their HTTP streams break: WorkerFailedError), requests meanwhile get 503, and
+The worker is the worker's own command (`worker_argv`: `python -m worker ...`, worker/cli.py) on a loopback
+port, with its shared secret passed in the environment (never on the command line, where `ps` would show it). If it exits, requests in flight
+end with a clean error (their HTTP streams break: RequestError engine_error), requests meanwhile get 503, and
 the supervisor starts a new one after a short backoff that grows while crashes repeat.
 """
 
@@ -13,8 +13,9 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +23,19 @@ from gateway.workers.http_client import HttpEngineClient
 
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "LORAPLEX_WORKER_SECRET"
+SECRET_ENV = "LORAPLEX_WORKER_SECRET"  # read by worker/cli.py
+
+
+def worker_argv(flags: Sequence[str]) -> list[str]:
+    """The command line of an engine worker with these flags (worker/cli.py parses them), run by this
+    interpreter. NOTE: `-P` keeps the current directory off sys.path, so that nothing there can shadow
+    the installed `worker` package."""
+    return [sys.executable, "-P", "-m", "worker", *flags]
 
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    command: list[str]  # argv of the worker process
+    command: list[str]  # argv of the worker process (worker_argv)
     health_client: HttpEngineClient  # pointed at the worker's port, with the secret
     secret: str
     pid_file: Path | None = None  # where the current worker's pid is written (operators, tests)

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from adapters.adapter_files import adapter_digest
 from adapters.errors import AdapterError
+from adapters.lora_adapter import load_peft_adapter
 from adapters.peft_config import module_path
-from adapters.peft_format import base_model_matches, load_peft_adapter, validate_peft_adapter
+from adapters.peft_format import base_model_matches, validate_peft_adapter
 from engine.config import LORA_TARGET_MODULES, ModelConfig
 
 ALL_SEVEN = list(LORA_TARGET_MODULES)
@@ -353,7 +354,7 @@ KEY_EDIT_REJECTIONS = {
                 )
             }
         ),
-        r"has dtype torch.int32; expected a float dtype",
+        r"has dtype I32; expected a float dtype",
     ),
 }
 

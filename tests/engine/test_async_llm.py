@@ -1,4 +1,4 @@
-"""The streaming entry point: deltas, abort on early exit, fault isolation."""
+"""The streaming entry point: deltas, abort on early exit, fault isolation, errors with stable codes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from engine import SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from wire.errors import ErrorCode, RequestError
 
 
 @pytest.fixture()
@@ -31,9 +32,11 @@ def test_streamed_deltas_add_up_to_the_final_text(engine):
 
     for outs in asyncio.run(main()):
         final = outs[-1]
-        assert final.finished and final.outputs[0].finish_reason == "length"
-        assert "".join(o.outputs[0].delta_text for o in outs) == final.outputs[0].text
-        assert sum(len(o.outputs[0].delta_token_ids) for o in outs) == 20
+        assert final.finished and final.samples[0].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        token_ids = [t for o in outs for s in o.samples for t in s.token_ids]
+        assert len(token_ids) == 20 and all(len(s.token_ids) <= 1 for o in outs for s in o.samples)
+        assert "".join(s.text for o in outs for s in o.samples) == engine.tokenizer.decode(token_ids)
 
 
 def test_leaving_the_stream_aborts_and_frees_blocks(engine):
@@ -58,8 +61,9 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
 
 def test_refused_request_raises_and_engine_keeps_serving(engine):
     async def main():
-        with pytest.raises(ValueError, match="outside the vocabulary"):
+        with pytest.raises(RequestError, match="outside the vocabulary") as info:
             await collect(engine, "bad", {"prompt_token_ids": [10**7]}, SamplingParams(max_tokens=2))
+        assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.request_id == "bad"
         return await collect(engine, "good", "hi", SamplingParams(max_tokens=2, ignore_eos=True))
 
     assert asyncio.run(main())[-1].finished
@@ -79,13 +83,15 @@ def test_step_fault_fails_requests_and_releases_everything(engine):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
     async def main():
-        first = await collect(engine, "a", "hello world", params)
+        with pytest.raises(RequestError) as failed:
+            await collect(engine, "a", "hello world", params)
         second = await collect(engine, "b", "hello world", params)
-        return first, second
+        return failed.value, second
 
-    first, second = asyncio.run(main())
-    assert first[-1].outputs[0].finish_reason == "error" and "device fell over" in first[-1].error
-    assert second[-1].outputs[0].finish_reason == "length"
+    error, second = asyncio.run(main())
+    assert error.code is ErrorCode.ENGINE_ERROR and error.request_id == "a"
+    assert "device fell over" not in error.message and "RuntimeError" not in error.message  # logged, not shown
+    assert second[-1].samples[0].finish_reason == "length"
     engine.engine.scheduler.check_integrity()
     for _ in range(200):  # the loop checks integrity itself once it is idle
         if engine._idle_checked:

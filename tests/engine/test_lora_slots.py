@@ -8,6 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine.lora_peft import ALL_PROJECTIONS, load_hf_base, make_peft_adapter, random_prompts
+from wire.protocol import GenerateDelta
 
 pytest.importorskip("peft")
 
@@ -26,6 +27,17 @@ def ten_adapters(make_model, tmp_path_factory):
         for i, r in enumerate(ranks)
     }
     return model_dir, refs
+
+
+def collect(step_outputs: list, tokens: dict[str, list[int]]) -> list[str]:
+    """Add a step's new tokens to `tokens` (request id -> its token ids); returns the ids that finished."""
+    finished = []
+    for out in step_outputs:
+        assert isinstance(out, GenerateDelta), out
+        tokens.setdefault(out.request_id, []).extend(t for s in out.samples for t in s.token_ids)
+        if out.finished:
+            finished.append(out.request_id)
+    return finished
 
 
 def expected_tokens(refs, adapter, prompt, eos):
@@ -53,12 +65,10 @@ def test_ten_adapters_over_three_slots_with_a_pinned_one(ten_adapters):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, adapter=adapter)
-    finals = {}
+    tokens: dict[str, list[int]] = {}
     pinned_slot = None
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+        collect(engine.step(), tokens)
         engine.wait_for_adapter_loads(0.05)
         slot_of = {ref.name: slot for ref, slot in engine.lora._slot_of.items()}
         if pinned_slot is None:
@@ -71,7 +81,7 @@ def test_ten_adapters_over_three_slots_with_a_pinned_one(ten_adapters):
     base_ref = type(refs["a0"])(model_dir, load_hf_base(model_dir))
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         want = expected_tokens(refs, adapter, prompt, eos) if adapter else base_ref.greedy(prompt, MAX_NEW, eos)[0]
-        assert finals[f"r{i}"].outputs[0].token_ids == want, f"request r{i} on {adapter}"
+        assert tokens[f"r{i}"] == want, f"request r{i} on {adapter}"
     stats = engine.stats()
     assert stats.lora_slot_loads >= 10 and stats.lora_slot_evictions >= 7
     assert stats.lora_slot_loads == stats.lora_slot_evictions + len(stats.lora_resident_adapters)
@@ -109,18 +119,18 @@ def test_unload_with_requests_in_flight_lets_them_finish_and_refuses_new_ones(te
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, adapter="a1")
-    engine.step()
+    tokens: dict[str, list[int]] = {}
+    collect(engine.step(), tokens)
     llm.unload_adapter("a1")
     with pytest.raises(ValueError, match="'a1' is not loaded"):
         engine.add_request("late", {"prompt_token_ids": prompts[0]}, params, adapter="a1")
     with pytest.raises(ValueError, match="'a1' is not loaded"):
         llm.unload_adapter("a1")
-    finals = {}
     while engine.has_unfinished_requests():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        collect(engine.step(), tokens)
     eos = llm.tokenizer.eos_token_ids
     for i, prompt in enumerate(prompts):
-        assert finals[f"r{i}"].outputs[0].token_ids == expected_tokens(refs, "a1", prompt, eos)
+        assert tokens[f"r{i}"] == expected_tokens(refs, "a1", prompt, eos)
     engine.scheduler.check_integrity()
     assert engine.lora.host.num_resident() == 0 and engine.lora.host.users() == {}
 
@@ -134,18 +144,18 @@ def test_new_content_under_a_name_serves_new_requests_while_old_ones_finish(ten_
     prompt = random_prompts(engine.model_config.vocab_size, [25], 7)[0]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     engine.add_request("old", {"prompt_token_ids": prompt}, params, adapter="x")
-    engine.step()
+    tokens: dict[str, list[int]] = {}
+    collect(engine.step(), tokens)
     new_ref = llm.load_adapter("x", refs["a5"].path)
     assert new_ref.name == "x" and new_ref.sha256 != old_ref.sha256
     with pytest.raises(ValueError, match="no longer loaded"):
         engine.add_request("stale", {"prompt_token_ids": prompt}, params, adapter=old_ref)
     engine.add_request("new", {"prompt_token_ids": prompt}, params, adapter=new_ref)
-    finals = {}
     while engine.has_unfinished_requests():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        collect(engine.step(), tokens)
     eos = llm.tokenizer.eos_token_ids
-    assert finals["old"].outputs[0].token_ids == expected_tokens(refs, "a2", prompt, eos)
-    assert finals["new"].outputs[0].token_ids == expected_tokens(refs, "a5", prompt, eos)
+    assert tokens["old"] == expected_tokens(refs, "a2", prompt, eos)
+    assert tokens["new"] == expected_tokens(refs, "a5", prompt, eos)
     engine.scheduler.check_integrity()
     assert engine.lora.host.registered() == {"x": new_ref}
 
@@ -213,7 +223,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_resident_adapters(ten_ad
     finished_late = False
     for step in range(60):  # a steady stream of new work for the resident adapters
         engine.add_request(f"more{step}", {"prompt_token_ids": next(prompts)}, params, adapter=f"a{step % 2}")
-        finished_late |= any(o.request_id == "late" and o.finished for o in engine.step())
+        finished_late |= "late" in collect(engine.step(), {})
         if finished_late:
             break
     assert finished_late, "the a2 request never got a slot"

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.scheduler import BASE_SLOT, Scheduler
 from tests.engine.fake_runner import FakeRunner
 from wire.sampling import SamplingParams
 
@@ -51,6 +51,33 @@ def test_token_budget_chunks_prefill_and_mixes_decode():
     assert [r.req_id for r in plan.sample_rows] == ["a"]  # b's chunk does not reach its last token
     s.update(plan, runner.execute(plan))
     run(s, runner)
+
+
+def test_admission_gates_run_in_order_and_a_waiting_answer_stops_the_rest():
+    calls = []
+
+    def looks(r: Request, active_slots: set[int]) -> int | None:
+        calls.append(("looks", r.request_id))
+        return None if r.request_id == "b" else BASE_SLOT  # b waits (say, its grammar compiles)
+
+    def places(r: Request, active_slots: set[int]) -> int | None:
+        calls.append(("places", r.request_id, frozenset(active_slots)))
+        return 3  # the slot it runs in (say, its adapter's)
+
+    cfg = EngineConfig(model="unused", block_size=4)
+    released: list[str] = []
+    s = Scheduler(cfg, 32, max_model_len=4096, gates=(looks, places),
+                  on_release=lambda r: released.append(r.request_id))
+    s.add_request(req("a", arrival=1.0))
+    s.add_request(req("b", arrival=2.0, base=40))
+    s.add_request(req("c", arrival=3.0, base=70))
+    plan = s.schedule()
+    assert calls == [("looks", "a"), ("places", "a", frozenset()), ("looks", "b"),
+                     ("looks", "c"), ("places", "c", frozenset({3}))]
+    assert [(q.req_id, q.lora_slot) for q in plan.seqs] == [("a", 3), ("c", 3)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    s.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert released == ["b"]
 
 
 def test_priority_then_arrival_order_and_max_num_seqs():

@@ -85,3 +85,85 @@ def test_unsupported_or_invalid_specs_fail_at_submission(llm, params, message):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate("x", SamplingParams(max_tokens=3, choice=["ok"]))[0].outputs[0]
     assert out.text == "ok"
+
+
+# ----- the output guard -----------------------------------------------------------------------------
+
+STRICT = {"type": "object", "properties": {"must": {"type": "integer"}}, "required": ["must"],
+          "additionalProperties": False}
+
+
+@pytest.fixture
+def loose_grammar(monkeypatch):
+    """Plant a grammar bug: every json_schema compiles to "any JSON object" while its guard keeps the
+    requested schema."""
+    import grammar.compiler
+    from grammar import NormalizedSchema, NormalizeReport
+
+    monkeypatch.setattr(grammar.compiler, "normalize_schema",
+                        lambda schema, *args, **kwargs: NormalizedSchema({"type": "object"}, NormalizeReport()))
+
+
+def _run_loose(llm, seeds=range(12)):
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, json_schema={**STRICT, "title": f"t{s}"})
+              for s in seeds]
+    return llm.generate(["x"] * len(params), params)
+
+
+def test_guard_counts_and_names_a_planted_grammar_bug(llm, loose_grammar):
+    from engine.structured_output import GUARD_ERROR
+
+    manager = llm.engine.structured
+    before = manager.guard_stats.failed
+    engine = llm.engine
+    updates_seen: list = []
+    original = engine.scheduler.update
+
+    def spy(plan, output):
+        updates = original(plan, output)
+        updates_seen.extend(u for u in updates if u[0].status.finished)
+        return updates
+
+    engine.scheduler.update = spy
+    try:
+        _run_loose(llm)
+    finally:
+        engine.scheduler.update = original
+    stopped = [u for u in updates_seen if u[0].status.finish_reason == "stop"]
+    failures = manager.guard(stopped)
+    assert failures and all(reason == GUARD_ERROR for _, reason in failures)
+    assert manager.guard_stats.failed - before >= len(failures)
+
+
+def test_planted_grammar_bug_finishes_with_an_error_never_stop(llm, loose_grammar):
+    manager = llm.engine.structured
+    before = manager.guard_stats.failed
+    outs = _run_loose(llm)
+    errors = 0
+    for out in outs:
+        o = out.outputs[0]
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), STRICT)  # a "stop" output is always valid
+        elif o.finish_reason == "error":
+            errors += 1
+            assert out.error and "schema" in out.error
+    assert errors >= 1
+    assert manager.guard_stats.failed - before == errors
+
+
+def test_guard_passes_valid_outputs(llm):
+    manager = llm.engine.structured
+    checked, failed = manager.guard_stats.checked, manager.guard_stats.failed
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    engine = llm.engine
+    seen: list = []
+    original = engine.scheduler.update
+    engine.scheduler.update = lambda plan, output: [u for u in original(plan, output) if not seen.append(u)]
+    try:
+        llm.generate(["x"] * 4, [SamplingParams(max_tokens=20, temperature=1.0, seed=s, json_schema=schema)
+                                 for s in range(4)])
+    finally:
+        engine.scheduler.update = original
+    assert manager.guard([u for u in seen if u[0].status.finish_reason == "stop"]) == []
+    assert manager.guard_stats.checked > checked and manager.guard_stats.failed == failed

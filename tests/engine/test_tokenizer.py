@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tokenization.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tokenization.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "hello world 日本語 and 中文字 😀🚀 naïve café 🦀 漢字",  # 🦀 and 漢 are not in the training corpus
@@ -38,20 +38,13 @@ def test_special_tokens_are_skipped_in_text(tokenizer_dirs):
     assert text == "hi there"
 
 
-def test_chat_template_renders_and_is_sandboxed(tokenizer_dirs, tmp_path):
+def test_chat_template_renders(tokenizer_dirs):
+    """The template's sandbox and failures: tests/tokenization/test_chat_template.py."""
     tok = Tokenizer(tokenizer_dirs["byte_bpe"])
     rendered = tok.apply_chat_template([{"role": "system", "content": "be brief"},
                                         {"role": "user", "content": "hi"}])
     assert rendered.startswith("<|begin_of_text|><|start_header_id|>system")
     assert rendered.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    tok.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
-    tok._template = None
-    with pytest.raises(ChatTemplateError):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
-    tok.chat_template = "{{ raise_exception('only user turns') }}"
-    tok._template = None
-    with pytest.raises(ChatTemplateError, match="only user turns"):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 @pytest.mark.parametrize("kind", ["byte_bpe", "sentencepiece"])

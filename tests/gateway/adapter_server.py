@@ -20,7 +20,8 @@ from gateway.app import build_app
 from gateway.state import GatewayConfig
 from gateway.store import SqliteStore, Store
 from gateway.workers.client import InProcessEngineClient
-from tests.gateway.conftest import BASE_MODEL, ThreadedServer
+from tests.gateway.conftest import BASE_MODEL, ThreadedServer, serve_admission
+from worker.capabilities import WorkerCapabilities
 from worker.server import WorkerService
 
 # The gateway's engine and the offline reference LLM run with the same settings.
@@ -66,12 +67,13 @@ def running_adapter_server(model_dir: Path, data_dir: Path) -> Iterator[AdapterS
     """Tenants acme and globex (defaults), tight (TIGHT_BYTES of adapters) and single (one adapter)."""
     store = SqliteStore(data_dir / "store.db")
     llm = AsyncLLM.from_config(EngineConfig(model=str(model_dir), **ENGINE_ARGS))
-    client = InProcessEngineClient(WorkerService(llm, BASE_MODEL))
+    client = InProcessEngineClient(WorkerService(llm, BASE_MODEL, WorkerCapabilities.of_engine(llm.engine.config)))
     config = GatewayConfig(served_model_name=BASE_MODEL, adapter_root=data_dir / "adapters",
                            max_body_bytes=64 * 1024)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model_dir), max_lora_rank=ENGINE_ARGS["max_lora_rank"],
                                   max_upload_bytes=MAX_UPLOAD_BYTES, archive_limits=ArchiveLimits(max_total_bytes=64 << 20))
-    app = build_app(config, store, client, llm.tokenizer, adapter_uploads=uploads)
+    app = build_app(config, store, client, llm.tokenizer, admission=serve_admission(ENGINE_ARGS["max_num_seqs"], data_dir),
+                    adapter_uploads=uploads)
     policies = {"acme": {}, "globex": {}, "tight": {"max_adapter_bytes": TIGHT_BYTES}, "single": {"max_adapters": 1}}
     keys, ids = {}, {}
     for name, policy in policies.items():

@@ -1,7 +1,7 @@
 """A live gateway for the admin, metrics, tracing and dashboard tests.
 
-Real uvicorn on a free loopback port, the quota admission (memory backend + fair queue) so limits are
-enforced, and the tiny llama engine — in process, or behind a real HTTP worker (its own uvicorn) when
+Real uvicorn on a free loopback port, serve's admission (memory quota backend + fair queue) so limits
+are enforced, and the tiny llama engine — in process, or behind a real HTTP worker (its own uvicorn) when
 `http_worker=True`, so trace context crosses the wire as it does in production.
 """
 
@@ -17,14 +17,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from gateway.admission.settings import QuotaSettings, build_quota_admission
 from gateway.app import build_app
 from gateway.observability.telemetry import Telemetry, TelemetryConfig
 from gateway.state import GatewayConfig
 from gateway.store import SqliteStore, Tenant
 from gateway.workers.client import InProcessEngineClient
 from gateway.workers.http_client import HttpEngineClient
-from tests.gateway.conftest import BASE_MODEL, ThreadedServer
+from tests.gateway.conftest import BASE_MODEL, ThreadedServer, serve_admission
+from worker.capabilities import WorkerCapabilities
 from worker.server import WorkerService, build_worker_app
 
 WORKER_SECRET = "admin-test-secret"
@@ -67,7 +67,7 @@ def start_admin_stack(llama_dir: Path, data_dir: Path, *, http_worker: bool = Fa
     worker_spans, gateway_spans = InMemorySpanExporter(), InMemorySpanExporter()
     worker_provider = TracerProvider()
     worker_provider.add_span_processor(SimpleSpanProcessor(worker_spans))
-    service = WorkerService(llm, BASE_MODEL, worker_provider)
+    service = WorkerService(llm, BASE_MODEL, WorkerCapabilities.of_engine(llm.engine.config), worker_provider)
     servers = []
     if http_worker:
         worker = ThreadedServer(build_worker_app(service, WORKER_SECRET)).start()
@@ -78,9 +78,8 @@ def start_admin_stack(llama_dir: Path, data_dir: Path, *, http_worker: bool = Fa
     config = telemetry_config or TelemetryConfig(activity_bucket_s=1.0, activity_window_s=120.0,
                                                  sample_interval_s=0.25)
     telemetry = Telemetry(config, span_exporters=[gateway_spans])
-    admission = build_quota_admission(QuotaSettings(queue_capacity=8))
     app = build_app(GatewayConfig(served_model_name=BASE_MODEL, adapter_root=data_dir / "adapters"), store, engine,
-                    llm.tokenizer, admission=admission, telemetry=telemetry)
+                    llm.tokenizer, admission=serve_admission(8, data_dir), telemetry=telemetry)
     operators = store.create_tenant("operators")
     admin_key, _ = store.create_api_key(operators.id, scopes={"admin"}, name="ops")
     tenant = store.create_tenant("acme")

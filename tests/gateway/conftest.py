@@ -1,4 +1,5 @@
-"""Gateway fixtures: a real uvicorn server on a free loopback port over an in-process engine."""
+"""Gateway fixtures: a real uvicorn server on a free loopback port over an in-process engine, with the
+admission `loraplex serve` builds (gateway/admission/settings.py: memory quota backend, fair queue)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,26 @@ import uvicorn
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from gateway.admission.gates import GatedAdmission
+from gateway.admission.settings import QuotaSettings, build_admission, build_quota_backend
 from gateway.app import build_app
 from gateway.state import GatewayConfig
 from gateway.store import SqliteStore, Store, open_store
 from gateway.workers.client import InProcessEngineClient
 from tests.conftest import free_port
+from worker.capabilities import WorkerCapabilities
 from worker.server import WorkerService
 
 BASE_MODEL = "tiny-llama"
+# The fixture tenants' limits: room for every request a test module sends (the defaults allow 60 a minute).
+ROOMY_POLICY = {"requests_per_minute": 100_000, "tokens_per_minute": 10_000_000, "max_concurrent_requests": 64,
+                "max_queued_requests": 256}
+
+
+def serve_admission(queue_capacity: int, data_dir: Path | None = None) -> GatedAdmission:
+    """The admission `loraplex serve` builds without --redis-url (budget ledger in `data_dir`)."""
+    settings = QuotaSettings(queue_capacity=queue_capacity)
+    return build_admission(settings, build_quota_backend(settings, data_dir=data_dir))
 
 
 class ThreadedServer:
@@ -71,11 +84,11 @@ def gateway_stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     store = SqliteStore(data / "store.db")
     llm = AsyncLLM.from_config(EngineConfig(model=str(llama_dir), num_kv_blocks=128, block_size=4,
                                             max_num_seqs=16))
-    client = InProcessEngineClient(WorkerService(llm, BASE_MODEL))
+    client = InProcessEngineClient(WorkerService(llm, BASE_MODEL, WorkerCapabilities.of_engine(llm.engine.config)))
     config = GatewayConfig(served_model_name=BASE_MODEL, adapter_root=data / "adapters", max_body_bytes=64 * 1024)
-    app = build_app(config, store, client, llm.tokenizer)
-    tenant_a = store.create_tenant("acme")
-    tenant_b = store.create_tenant("globex")
+    app = build_app(config, store, client, llm.tokenizer, admission=serve_admission(16, data))
+    tenant_a = store.create_tenant("acme", policy=ROOMY_POLICY)
+    tenant_b = store.create_tenant("globex", policy=ROOMY_POLICY)
     key_a, _ = store.create_api_key(tenant_a.id)
     key_b, _ = store.create_api_key(tenant_b.id)
     server = ThreadedServer(app).start()

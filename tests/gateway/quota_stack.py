@@ -1,7 +1,8 @@
 """Real processes for the quota tests: redis-server, a null engine worker, `loraplex serve --worker-url`.
 
-Also an in-process gateway (uvicorn thread) with a QuotaAdmission over an HTTP null worker, for tests
-that look at the queue itself.
+Also an in-process gateway (uvicorn thread) with the admission `loraplex serve` builds (`build_admission`
+over a quota backend the test keeps a handle on) and an HTTP null worker, for tests that look at the queue
+and the quota counters themselves.
 """
 
 from __future__ import annotations
@@ -126,11 +127,12 @@ def completion_body(prompt_tokens: int, max_tokens: int, **extra) -> dict:
 
 @dataclass
 class InProcessGateway:
-    """A gateway app over SQLite in a uvicorn thread, with a given QuotaAdmission, on an HTTP worker."""
+    """A gateway app over SQLite in a uvicorn thread, with serve's admission, on an HTTP worker."""
 
     url: str
     store: object  # gateway.store.Store
-    admission: object  # gateway.admission.quota.QuotaAdmission
+    admission: object  # gateway.admission.gates.GatedAdmission
+    quota: object  # policies.QuotaBackend: the admission's quota gate counts here
     server: object  # tests.gateway.conftest.ThreadedServer
 
     def new_tenant(self, name: str, policy: dict) -> str:
@@ -142,7 +144,11 @@ class InProcessGateway:
         self.store.close()
 
 
-def in_process_gateway(model_dir: Path, data_dir: Path, worker_url: str, admission) -> InProcessGateway:
+def in_process_gateway(model_dir: Path, data_dir: Path, worker_url: str, settings=None, *,
+                       redis_url: str | None = None) -> InProcessGateway:
+    """`settings`: a gateway.admission.settings.QuotaSettings (default: a queue of 4 slots); with `redis_url`
+    the quota backend is serve's Redis one (failover included), else serve's memory one."""
+    from gateway.admission.settings import QuotaSettings, build_admission, build_quota_backend
     from gateway.app import build_app
     from gateway.state import GatewayConfig
     from gateway.store import SqliteStore
@@ -150,8 +156,11 @@ def in_process_gateway(model_dir: Path, data_dir: Path, worker_url: str, admissi
     from tests.gateway.conftest import ThreadedServer
     from tokenization.tokenizer import Tokenizer
 
+    settings = settings or QuotaSettings(queue_capacity=4)
+    quota = build_quota_backend(settings, redis_url=redis_url, data_dir=data_dir)
+    admission = build_admission(settings, quota)
     store = SqliteStore(data_dir / "store.db")
     config = GatewayConfig(served_model_name=MODEL_NAME, adapter_root=data_dir / "adapters")
     app = build_app(config, store, HttpEngineClient(worker_url, SECRET), Tokenizer(model_dir), admission=admission)
     server = ThreadedServer(app).start()
-    return InProcessGateway(server.url, store, admission, server)
+    return InProcessGateway(server.url, store, admission, quota, server)

@@ -9,9 +9,10 @@ import threading
 import pytest
 
 from engine.config import ModelConfig
-from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig, TenantAdapterLimits
+from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig
 from gateway.http.errors import ApiError
 from gateway.store import NotFoundError, SqliteStore
+from policies import InvalidPolicy
 from tests.engine.lora_peft import load_hf_base, make_peft_adapter
 from tests.gateway.adapter_server import LORA_ARGS, adapter_files, tar_gz
 
@@ -76,13 +77,17 @@ def test_concurrent_uploads_cannot_both_pass_the_count_limit(registry, archive):
     assert registry.store.adapter_totals(tenant.id).count == 1
 
 
-def test_limits_come_from_the_policy_else_the_defaults(registry):
-    config = registry.config
-    assert TenantAdapterLimits.for_tenant({}, config) == TenantAdapterLimits(100, 20 << 30)
-    assert TenantAdapterLimits.for_tenant({"max_adapters": 3, "max_adapter_bytes": 10}, config) == \
-        TenantAdapterLimits(3, 10)
-    with pytest.raises(ApiError, match="max_adapters must be a non-negative integer"):
-        TenantAdapterLimits.for_tenant({"max_adapters": "many"}, config)
+def test_limits_are_the_tenants_parsed_policy_defaults_included(registry, archive):
+    """The registry reads TenantPolicy's max_adapters / max_adapter_bytes (defaults 100 and 20 GiB); a bad
+    value never reaches it: the store refuses it when it is written (one parser, one error)."""
+    roomy = registry.store.create_tenant("roomy")
+    assert (roomy.policy.max_adapters, roomy.policy.max_adapter_bytes) == (100, 20 << 30)
+    tiny = registry.store.create_tenant("tiny", policy={"max_adapter_bytes": 10})
+    with pytest.raises(ApiError) as refused:
+        _ingest(registry, tiny, "bot", archive)
+    assert refused.value.code == "adapter_quota_exceeded" and "limit of 10 bytes" in refused.value.message
+    with pytest.raises(InvalidPolicy, match="max_adapters"):
+        registry.store.create_tenant("many", policy={"max_adapters": "many"})
 
 
 def test_config_is_validated(llama_dir):

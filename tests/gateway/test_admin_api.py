@@ -81,10 +81,16 @@ def test_tenant_create_update_suspend_with_audit(stack):
     assert reset.json()["policy"] == {"max_priority": 4, "requests_per_minute": 5}
 
     for patch, field in (({"requests_per_minute": 0}, "requests_per_minute"), ({"rpm": 3}, "rpm"),
-                         ({"min_priority": 5}, "min_priority")):
+                         ({"min_priority": 5}, "max_priority"), ({"share_prefix_cache": "yes"}, "share_prefix_cache")):
         refused = _call(stack, "PATCH", f"/admin/api/tenants/{tenant_id}", admin, json={"policy": patch})
-        assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
-    assert stack.store.get_tenant(tenant_id).policy == {"max_priority": 4, "requests_per_minute": 5}
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["code"] == "invalid_policy", refused.text
+        assert error["param"] == f"policy.{field}" and field in error["message"], refused.text
+    assert "min_priority (5)" in refused_message(stack, tenant_id, {"min_priority": 5})
+    assert stack.store.get_tenant(tenant_id).policy.overrides() == {"max_priority": 4, "requests_per_minute": 5}
+    bad_create = _call(stack, "POST", "/admin/api/tenants", admin, json={"name": "hooli", "policy": {"rpm": 3}})
+    assert bad_create.status_code == 400 and bad_create.json()["error"]["param"] == "policy.rpm"
+    assert stack.store.get_tenant_by_name("hooli") is None
 
     initech_key, _ = stack.store.create_api_key(tenant_id)
     assert _call(stack, "GET", "/v1/models", initech_key).status_code == 200
@@ -105,6 +111,11 @@ def test_tenant_create_update_suspend_with_audit(stack):
     assert mine[1]["before"] == {"suspended": False} and mine[1]["after"] == {"suspended": True}
     older = _call(stack, "GET", f"/admin/api/audit?limit=2&before_id={mine[1]['id']}", admin).json()["entries"]
     assert [e["id"] for e in older] == [mine[2]["id"], mine[3]["id"]]
+
+
+def refused_message(stack: AdminStack, tenant_id: str, patch: dict) -> str:
+    return _call(stack, "PATCH", f"/admin/api/tenants/{tenant_id}", stack.admin_key,
+                 json={"policy": patch}).json()["error"]["message"]
 
 
 def test_keys_are_created_once_and_revoked(stack):

@@ -1,13 +1,18 @@
-"""`loraplex` operator commands on the gateway's store, and the shared flag parser."""
+"""`loraplex` operator commands on the gateway's store, the shared flag parser, and the hand-off of
+`loraplex worker` to the worker's own command."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from gateway.cli.main import build_parser, main
 from gateway.store import open_store
+from gateway.workers.supervisor import worker_argv
+from worker import cli as worker_cli
 
 
 def run(capsys, data_dir: Path, *argv: str) -> tuple[int, list[str]]:
@@ -20,12 +25,16 @@ def test_shared_flags_read_environment_and_flags_win():
     env = {"LORAPLEX_MODEL": "/models/x", "LORAPLEX_PORT": "9100", "LORAPLEX_REDIS_URL": "redis://r:6379/0",
            "LORAPLEX_SERVED_MODEL_NAME": "base", "LORAPLEX_HOST": "0.0.0.0", "LORAPLEX_DATA_DIR": "/var/lpx"}
     parser = build_parser(env)
-    for command in (["serve"], ["worker"], ["tenants", "list"], ["keys", "list"]):
+    for command in (["serve"], ["tenants", "list"], ["keys", "list"]):
         args = parser.parse_args(command)
         assert (args.model, args.port, args.redis_url, args.served_model_name, args.host, args.data_dir) == (
             "/models/x", 9100, "redis://r:6379/0", "base", "0.0.0.0", Path("/var/lpx"))
+        assert callable(args.handler)  # dispatch by function, never by a module-name string
     assert parser.parse_args(["serve", "--port", "8080"]).port == 8080
-    assert build_parser({}).parse_args(["worker"]).port is None
+    assert build_parser({}).parse_args(["serve"]).port == 8000
+    worker = worker_cli.build_parser(env).parse_args([])
+    assert (worker.model, worker.port, worker.served_model_name, worker.host) == ("/models/x", 9100, "base", "0.0.0.0")
+    assert worker_cli.build_parser({}).parse_args([]).port is None
     with pytest.raises(SystemExit):
         parser.parse_args(["keys", "create"])  # --tenant or --admin is required
 
@@ -81,3 +90,16 @@ def test_operator_commands_work_on_redis(capsys, redis_server, tmp_path):
     with open_store(redis_server.url) as store:
         assert store.authenticate(out[-1]).tenant.name == "acme"
     assert not (tmp_path / "store.db").exists()
+
+
+def test_loraplex_worker_is_the_worker_command():
+    """`loraplex worker ARGS` execs `python -m worker ARGS` (the supervisor starts its worker the same way),
+    so the worker's parser answers: its --help, and its errors, without a model or torch."""
+    assert worker_argv(["--port", "1"]) == [sys.executable, "-P", "-m", "worker", "--port", "1"]
+    helped = subprocess.run([sys.executable, "-m", "gateway.cli.main", "worker", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: loraplex worker")
+    assert "--register-redis-url" in helped.stdout and "--kv-cache-memory-gb" in helped.stdout
+    refused = subprocess.run([sys.executable, "-m", "gateway.cli.main", "worker", "--model", "/nowhere"],
+                             capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert refused.returncode == 2 and "LORAPLEX_WORKER_SECRET" in refused.stderr

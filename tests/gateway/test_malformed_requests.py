@@ -67,7 +67,7 @@ def _cases() -> list[tuple[str, str, object, int]]:
     c(comp, "prompt wrong type", {**COMP, "prompt": {"text": "hi"}})
     c(comp, "prompt token out of vocab", {**COMP, "prompt": [1, 2, 10**9]})
     c(comp, "empty prompt", {**COMP, "prompt": ""})
-    c(comp, "logprobs too many", {**COMP, "logprobs": 10})
+    c(comp, "logprobs too many", {**COMP, "logprobs": 21})
     c(comp, "echo unsupported", {**COMP, "echo": True})
     c(comp, "batched prompts", {**COMP, "prompt": ["a", "b"]})
     c(comp, "negative max_tokens", {**COMP, "max_tokens": -7})
@@ -97,6 +97,19 @@ def test_wrong_type_names_the_param(gateway_stack):
     assert resp.json()["error"]["param"] == "messages[0].content"
     resp = httpx.post(gateway_stack.v1 + "/chat/completions", headers=headers, timeout=30, json={**CHAT, "n": "2"})
     assert resp.json()["error"]["param"] == "n" and resp.json()["error"]["code"] == "invalid_type"
+
+
+def test_values_out_of_bounds_are_refused_once_by_sampling_params_naming_the_param(gateway_stack):
+    headers = {"authorization": f"Bearer {gateway_stack.key_a}"}
+    cases = [("/chat/completions", {**CHAT, "temperature": 3}, "temperature"),
+             ("/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+             ("/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+             ("/chat/completions", {**CHAT, "min_tokens": 5}, "min_tokens"),
+             ("/completions", {**COMP, "logprobs": 21}, "logprobs"), ("/completions", {**COMP, "top_p": -1}, "top_p")]
+    for path, body, param in cases:
+        resp = httpx.post(gateway_stack.v1 + path, headers=headers, json=body, timeout=30)
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == param and error["code"] == "invalid_value", error
 
 
 def test_chunked_oversized_body_is_413_while_reading(gateway_stack):

@@ -1,9 +1,9 @@
-"""QuotaAdmission through the gateway: headers, 429s, budgets, errors, release on every outcome, failover."""
+"""The gateway's admission (the one `loraplex serve` builds: quota gate, then fair queue) end to end:
+headers, 429s, budgets, errors, release on every outcome, failover."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import re
 import time
@@ -11,10 +11,7 @@ import time
 import httpx
 import pytest
 
-from gateway.admission.quota import TenantPolicies
-from gateway.admission.settings import QuotaSettings, build_quota_admission
-from gateway.store import Tenant
-from policies import TenantPolicy
+from gateway.admission.settings import QuotaSettings
 from tests.gateway.quota_stack import completion_body, in_process_gateway, start_null_worker, wait_null_worker
 
 DURATION = re.compile(r"^(\d+ms|(\d+h)?(\d+m)?\d+(\.\d{1,3})?s)$")
@@ -32,8 +29,7 @@ def worker_url():
 
 @pytest.fixture()
 def gateway(llama_dir, tmp_path, worker_url):
-    admission = build_quota_admission(QuotaSettings(queue_capacity=4))
-    gw = in_process_gateway(llama_dir, tmp_path, worker_url, admission)
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, QuotaSettings(queue_capacity=4))
     yield gw
     gw.close()
 
@@ -86,7 +82,7 @@ def test_request_larger_than_the_tenant_allows_is_a_400(gateway):
 
 
 def _settled(gw, tenant_id: str) -> tuple[int, int]:
-    usage = asyncio.run(gw.admission.quota.usage(tenant_id))
+    usage = asyncio.run(gw.quota.usage(tenant_id))
     return usage.in_flight, usage.day_tokens
 
 
@@ -108,7 +104,7 @@ def test_a_client_that_disconnects_mid_stream_releases_everything_once(gateway):
 
 
 def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(llama_dir, tmp_path, worker_url):
-    gw = in_process_gateway(llama_dir, tmp_path, worker_url, build_quota_admission(QuotaSettings(queue_capacity=1)))
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, QuotaSettings(queue_capacity=1))
     try:
         key = gw.new_tenant("queued", {"max_concurrent_requests": 4})
         headers = {"authorization": f"Bearer {key}"}
@@ -131,8 +127,7 @@ def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(llama_d
 
 
 def test_a_dead_worker_refunds_the_reservation(llama_dir, tmp_path):
-    admission = build_quota_admission(QuotaSettings(queue_capacity=2))
-    gw = in_process_gateway(llama_dir, tmp_path, "http://127.0.0.1:9", admission)  # nothing listens there
+    gw = in_process_gateway(llama_dir, tmp_path, "http://127.0.0.1:9", QuotaSettings(queue_capacity=2))  # no one there
     try:
         key = gw.new_tenant("orphan", {})
         tenant_id = gw.store.list_tenants()[-1].id
@@ -142,36 +137,45 @@ def test_a_dead_worker_refunds_the_reservation(llama_dir, tmp_path):
         while _settled(gw, tenant_id) != (0, 0):
             assert time.monotonic() < deadline, _settled(gw, tenant_id)
             time.sleep(0.01)
-        assert admission.queue.in_flight == 0
+        assert gw.admission.queue.in_flight == 0
     finally:
         gw.close()
 
 
-def test_an_invalid_stored_policy_falls_back_to_the_defaults(caplog):
-    policies = TenantPolicies()
-    tenant = Tenant(id="ten_x", name="x", created_at=0.0, suspended=False,
-                    policy={"requests_per_minute": -5}, cache_salt="s", shared=False)
-    with caplog.at_level(logging.ERROR, logger="gateway.admission.quota"):
-        assert policies.policy_for(tenant) == TenantPolicy()
-        assert policies.policy_for(tenant) == TenantPolicy()
-    assert len([r for r in caplog.records if "invalid policy" in r.message]) == 1  # once per policy
-    partial = Tenant(id="ten_y", name="y", created_at=0.0, suspended=False,
-                     policy={"max_priority": 4, "tokens_per_minute": 300}, cache_salt="s", shared=False)
-    resolved = policies.policy_for(partial)
-    assert (resolved.default_priority, resolved.max_tokens_per_request) == (4, 300)
+def test_a_priority_is_refused_outside_the_range_and_a_queue_refusal_reports_the_refund(llama_dir, tmp_path,
+                                                                                        worker_url):
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, QuotaSettings(queue_capacity=1))
+    try:
+        key = gw.new_tenant("one-queued", {"max_priority": 4, "max_queued_requests": 0})
+        refused = post(gw, key, completion_body(4, 6, priority=5))
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "priority_not_allowed"
+        with httpx.Client(timeout=30) as holder, holder.stream(
+                "POST", gw.url + "/v1/completions", headers={"authorization": f"Bearer {key}"},
+                json=completion_body(4, 4000, stream=True)) as r:
+            lines = r.iter_lines()  # NOTE: keep the iterator alive; dropping it closes the stream
+            next(lines)  # the only worker slot is taken, and this tenant may queue nobody
+            full = post(gw, key, completion_body(4, 6, priority=4))
+            tenant_id = gw.store.list_tenants()[-1].id
+            # the quota gate gave the refused request's reservation back: only the stream holds anything
+            assert _settled(gw, tenant_id) == (1, 4004)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "rate_limit_exceeded"
+        check_retry_after(full)
+        assert int(full.headers["x-ratelimit-remaining-tokens"]) >= 100_000 - 4004  # as after the refund
+        assert gw.admission.stats()["refused"] == {"priority": 1, "queue_full_tenant": 1}
+    finally:
+        gw.close()
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
 def test_redis_stopped_mid_test_fails_as_configured(llama_dir, tmp_path, worker_url, redis_server, mode):
     settings = QuotaSettings(queue_capacity=2, fail_mode=mode, redis_timeout_s=0.3)
-    admission = build_quota_admission(settings, redis_url=redis_server.url)
-    gw = in_process_gateway(llama_dir, tmp_path, worker_url, admission)
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, settings, redis_url=redis_server.url)
     try:
         key = gw.new_tenant("outage", {"requests_per_minute": 3})
         assert post(gw, key, completion_body(4, 2)).status_code == 200  # shared limit: 1 of 3 used
         redis_server.stop()
         answers = [post(gw, key, completion_body(4, 2)) for _ in range(4)]
-        stats = admission.stats()
+        stats = gw.admission.stats()
         assert stats["quota_degraded"] and stats["quota_outages"] == 1
         if mode == "closed":
             assert [r.status_code for r in answers] == [503] * 4

@@ -1,5 +1,5 @@
 """The gateway's fair queue end to end: worker capacity 1, a null worker process that takes a few ms a
-request, a gateway with QuotaAdmission (memory backend). Order is observed by the clients."""
+request, a gateway with serve's admission (memory quota backend). Order is observed by the clients."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from gateway.admission.settings import QuotaSettings, build_quota_admission
+from gateway.admission.settings import QuotaSettings
 from tests.gateway.quota_stack import completion_body, in_process_gateway, start_null_worker, wait_null_worker
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,7 @@ def worker_url():
 
 @pytest.fixture()
 def gateway(llama_dir, tmp_path, worker_url):
-    admission = build_quota_admission(QuotaSettings(queue_capacity=1, queue_timeout_s=60))
-    gw = in_process_gateway(llama_dir, tmp_path, worker_url, admission)
+    gw = in_process_gateway(llama_dir, tmp_path, worker_url, QuotaSettings(queue_capacity=1, queue_timeout_s=60))
     yield gw
     gw.close()
 

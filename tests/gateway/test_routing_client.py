@@ -6,20 +6,22 @@ import asyncio
 
 import pytest
 
-from demo.null_worker import NullEngineConfig, NullLLM
+from demo.null_worker import NULL_CAPABILITIES, NullEngineConfig, NullLLM
 from gateway.observability.metrics import GatewayMetrics
-from gateway.workers.client import InProcessEngineClient, WorkerUnavailableError
+from gateway.workers.client import InProcessEngineClient
 from gateway.workers.http_client import HttpEngineClient
 from gateway.workers.registry import RegistryConfig, WorkerRegistry
 from gateway.workers.router import RoutingEngineClient
 from gateway.workers.routing_policy import RoutingConfig
 from tests.conftest import free_port
+from wire.errors import ErrorCode, RequestError
 from wire.protocol import GenerateRequest
+from wire.sampling import SamplingParams
 from worker.server import WorkerService
 
 
 def make_request(i: int, prompt: list[int], max_tokens: int = 3, salt: str = "tenant-a") -> GenerateRequest:
-    return GenerateRequest(f"req-{i}", prompt, {"max_tokens": max_tokens}, cache_salt=salt)
+    return GenerateRequest(f"req-{i}", prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
 
 
 def decisions(metrics: GatewayMetrics, reason: str) -> float:
@@ -35,7 +37,7 @@ class Fleet:
 
     def client_for(self, url: str):
         if url in self.llms:
-            return InProcessEngineClient(WorkerService(self.llms[url], "null-model"))
+            return InProcessEngineClient(WorkerService(self.llms[url], "null-model", NULL_CAPABILITIES))
         return HttpEngineClient(url, "secret", connect_timeout_s=1.0)
 
     def router(self, strategy: str = "cache_aware", **registry) -> tuple[RoutingEngineClient, GatewayMetrics]:
@@ -140,10 +142,11 @@ def test_no_healthy_worker_is_worker_unavailable():
     async def scenario() -> None:
         async with router.running():
             assert not await router.healthy()
-            with pytest.raises(WorkerUnavailableError):
+            with pytest.raises(RequestError) as generating:
                 await run(router, make_request(0, [1] * 32))
-            with pytest.raises(WorkerUnavailableError):
+            with pytest.raises(RequestError) as state:
                 await router.state()
+            assert generating.value.code is state.value.code is ErrorCode.WORKER_UNAVAILABLE
 
     asyncio.run(scenario())
 
@@ -153,5 +156,5 @@ def test_registry_rejects_duplicate_and_malformed_urls():
         WorkerRegistry(lambda url: None, urls=["http://a:1", "http://a:1/"])  # type: ignore[arg-type,return-value]
     with pytest.raises(ValueError, match="http:// or https://"):
         WorkerRegistry(lambda url: None, urls=["a:1"])  # type: ignore[arg-type,return-value]
-    with pytest.raises(ValueError, match="worker URLs or a Redis directory"):
+    with pytest.raises(ValueError, match="worker URLs or a (Redis )?directory"):
         WorkerRegistry(lambda url: None)  # type: ignore[arg-type,return-value]

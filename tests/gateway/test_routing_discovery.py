@@ -8,26 +8,22 @@ import json
 import pytest
 import redis
 
-from demo.null_worker import NullLLM
+from demo.null_worker import NULL_CAPABILITIES, NullLLM
 from gateway.cli.main import CommandError, build_parser
-from gateway.cli.serve import external_worker_client, registration_heartbeat
+from gateway.cli.serve import external_worker_client
 from gateway.workers.client import InProcessEngineClient
-from gateway.workers.heartbeat import (
-    HeartbeatConfig,
-    RedisWorkerDirectory,
-    WorkerHeartbeat,
-    members_key,
-    worker_key,
-)
+from gateway.workers.heartbeat import RedisWorkerDirectory, members_key, worker_key
 from gateway.workers.registry import RegistryConfig, WorkerRegistry
 from wire.protocol import WorkerState
+from worker import cli as worker_cli
+from worker.registration import HeartbeatConfig, WorkerHeartbeat
 from worker.server import WorkerService
 
 PREFIX = "test:workers"
 
 
 def null_state() -> WorkerState:
-    return WorkerService(NullLLM(), "null-model").state()
+    return WorkerService(NullLLM(), "null-model", NULL_CAPABILITIES).state()
 
 
 def test_a_heartbeat_announces_the_worker_and_withdraws_it_on_stop(redis_server):
@@ -83,7 +79,7 @@ def test_the_registry_adds_discovered_workers_and_drops_expired_ones(redis_serve
 
     def client_for(worker_url: str):
         made.append(worker_url)
-        return InProcessEngineClient(WorkerService(NullLLM(), "null-model"))
+        return InProcessEngineClient(WorkerService(NullLLM(), "null-model", NULL_CAPABILITIES))
 
     async def scenario() -> None:
         registry = WorkerRegistry(client_for, directory=RedisWorkerDirectory(redis_server.url, PREFIX),
@@ -118,13 +114,13 @@ def test_heartbeat_config_rejects_nonsense(kwargs, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["worker", "--advertise-url", "http://w:8001"], "only matters with --register-redis-url"),
-    (["worker", "--register-redis-url", "redis://r:6379/0"], "needs --advertise-url"),
-    (["worker", "--register-redis-url", "r:6379", "--advertise-url", "http://w:8001"], "redis://"),
+    (["--advertise-url", "http://w:8001"], "only matters with --register-redis-url"),
+    (["--register-redis-url", "redis://r:6379/0"], "needs --advertise-url"),
+    (["--register-redis-url", "r:6379", "--advertise-url", "http://w:8001"], "redis://"),
 ])
 def test_worker_registration_flags_are_checked(argv, message):
-    with pytest.raises(CommandError, match=message):
-        registration_heartbeat(build_parser({}).parse_args(argv))
+    with pytest.raises(worker_cli.WorkerCommandError, match=message):
+        worker_cli.registration_heartbeat(worker_cli.build_parser({}).parse_args(argv))
 
 
 def test_serve_routing_flags_are_checked(monkeypatch):
@@ -137,6 +133,6 @@ def test_serve_routing_flags_are_checked(monkeypatch):
         external_worker_client(args, lambda reason: None)
     env = {"LORAPLEX_ROUTING": "round_robin", "LORAPLEX_DISCOVER_WORKERS": "yes"}
     args = build_parser(env).parse_args(["serve", "--worker-url", "http://a:1", "--worker-url", "http://b:2"])
-    assert (args.routing, args.discover_workers) == ("round_robin", True)
+    assert (args.routing, args.discover_workers) == ("round_robin", "redis")
     with pytest.raises(SystemExit):
         build_parser({"LORAPLEX_DISCOVER_WORKERS": "maybe"})

@@ -11,10 +11,12 @@ import redis
 from gateway.store import (
     AlreadyExistsError,
     NotFoundError,
+    RedisStore,
     Store,
     TenantSuspendedError,
     open_store,
 )
+from policies import InvalidPolicy, TenantPolicy
 
 T0 = 1_700_000_000.0
 
@@ -34,10 +36,11 @@ def stored_bytes(store_url: str) -> bytes:
 
 
 def test_create_and_look_up_tenants(store: Store) -> None:
-    a = store.create_tenant("acme", policy={"rpm": 60}, now=T0)
+    a = store.create_tenant("acme", policy={"requests_per_minute": 60}, now=T0)
     b = store.create_tenant("globex", shared=True, now=T0 + 1)
     assert a.id != b.id and a.created_at == T0 and not a.suspended and not a.shared and b.shared
-    assert a.policy == {"rpm": 60} and b.policy == {}
+    assert a.policy == TenantPolicy(requests_per_minute=60) and a.policy.overrides() == {"requests_per_minute": 60}
+    assert b.policy == TenantPolicy() and a.policy_error is None
     assert len(a.cache_salt) == 32 and a.cache_salt != b.cache_salt
     assert store.get_tenant(a.id) == a
     assert store.get_tenant_by_name("globex") == b
@@ -52,23 +55,57 @@ def test_tenant_names_are_unique_and_validated(store: Store) -> None:
     for bad in ("", "has space", "a@b", "x:y", "-lead", "n" * 65):
         with pytest.raises(ValueError, match="tenant name"):
             store.create_tenant(bad)
-    with pytest.raises(ValueError, match="policy must be a JSON object"):
+    with pytest.raises(InvalidPolicy, match="policy: must be a JSON object"):
         store.create_tenant("p1", policy=[1, 2])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not JSON-serializable"):
+    with pytest.raises(InvalidPolicy, match="x: unknown field"):
         store.create_tenant("p2", policy={"x": object()})
+    with pytest.raises(InvalidPolicy, match="max_priority"):
+        store.create_tenant("p3", policy={"min_priority": 5, "max_priority": 4})
     assert [t.name for t in store.list_tenants()] == ["acme"]
 
 
 def test_update_policy_returns_before_and_after(store: Store) -> None:
-    t = store.create_tenant("acme", policy={"rpm": 60})
-    before, after = store.update_policy(t.id, {"rpm": 120, "tpm": {"limit": 1000}})
-    assert before == {"rpm": 60} and after == {"rpm": 120, "tpm": {"limit": 1000}}
+    t = store.create_tenant("acme", policy={"requests_per_minute": 60})
+    before, after = store.update_policy(t.id, t.policy.with_changes({"requests_per_minute": 120,
+                                                                       "tokens_per_minute": 1000}))
+    assert before.overrides() == {"requests_per_minute": 60}
+    assert after.overrides() == {"requests_per_minute": 120, "tokens_per_minute": 1000}
     fetched = store.get_tenant(t.id)
     assert fetched is not None and fetched.policy == after and fetched.cache_salt == t.cache_salt
-    fetched.policy["rpm"] = 1  # a returned dict is a copy
-    assert store.get_tenant(t.id).policy["rpm"] == 120  # type: ignore[union-attr]
+    assert fetched.policy.max_tokens_per_request == 1000  # an unset field follows the stored ones
+    with pytest.raises(InvalidPolicy, match="requests_per_minute"):
+        store.update_policy(t.id, {"requests_per_minute": 0})
+    assert store.get_tenant(t.id).policy == after  # type: ignore[union-attr]
     with pytest.raises(NotFoundError, match="ten_missing"):
         store.update_policy("ten_missing", {})
+
+
+def test_a_stored_policy_that_does_not_validate_reads_as_the_defaults_with_the_problem(
+        store: Store, store_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Written by an older version or by hand: every reader gets the same TenantPolicy (the defaults) and
+    the same one error, logged once, while the tenant stays usable and fixable."""
+    t = store.create_tenant("legacy", policy={"requests_per_minute": 5})
+    plaintext, _ = store.create_api_key(t.id)
+    broken = '{"requests_per_minute": -5, "rpm": 60}'
+    if isinstance(store, RedisStore):
+        client = redis.Redis.from_url(store_url)
+        client.hset(store.keys.tenant(t.id), "policy", broken)
+        client.close()
+    else:
+        import sqlite3
+
+        with sqlite3.connect(store_url[len("sqlite://"):]) as db:
+            db.execute("UPDATE tenants SET policy = ? WHERE id = ?", (broken, t.id))
+    with caplog.at_level("ERROR", logger="gateway.store.stored_policy"):
+        fetched = store.get_tenant(t.id)
+        found = store.authenticate(plaintext)
+        listed = [x for x in store.list_tenants() if x.id == t.id]
+    assert fetched is not None and found is not None
+    for tenant in (fetched, found.tenant, *listed):
+        assert tenant.policy == TenantPolicy() and "requests_per_minute" in (tenant.policy_error or "")
+    assert len([r for r in caplog.records if t.id in r.getMessage()]) == 1
+    before, after = store.update_policy(t.id, {"requests_per_minute": 7})
+    assert before == TenantPolicy() and store.get_tenant(t.id).policy_error is None  # type: ignore[union-attr]
 
 
 def test_suspend_resume_and_shared_flag(store: Store) -> None:
@@ -193,7 +230,7 @@ def test_concurrent_authentication_from_threads(store: Store) -> None:
 
 
 def test_tenants_and_keys_survive_reopen(store: Store, store_url: str) -> None:
-    t = store.create_tenant("acme", policy={"rpm": 5}, now=T0)
+    t = store.create_tenant("acme", policy={"requests_per_minute": 5}, now=T0)
     plaintext, key = store.create_api_key(t.id, expires_at=T0 + 1000, now=T0)
     store.suspend_tenant(t.id)
     store.close()
@@ -202,5 +239,5 @@ def test_tenants_and_keys_survive_reopen(store: Store, store_url: str) -> None:
         assert reopened is not None and reopened.suspended and reopened.name == "acme"
         again.resume_tenant(t.id)
         found = again.authenticate(plaintext, now=T0 + 1)
-        assert found is not None and found.key.id == key.id and found.tenant.policy == {"rpm": 5}
+        assert found is not None and found.key.id == key.id and found.tenant.policy.overrides() == {"requests_per_minute": 5}
         assert found.tenant.cache_salt == t.cache_salt and found.key.expires_at == T0 + 1000

@@ -48,7 +48,7 @@ def test_day_rows_aggregate_hours(store: Store) -> None:
         store.usage(t.id, 10, 0)
 
 
-def test_day_and_month_totals_for_budgets(store: Store) -> None:
+def test_day_totals(store: Store) -> None:
     t = store.create_tenant("acme")
     store.record_usage(t.id, utc(2024, 4, 30, 23, 59), 1, 1000, 0, 0)  # previous month
     store.record_usage(t.id, utc(2024, 5, 1, 0, 0), 1, 10, 1, 0)
@@ -58,9 +58,7 @@ def test_day_and_month_totals_for_budgets(store: Store) -> None:
     store.record_usage(t.id, utc(2024, 6, 1), 100, 1, 1, 1)  # next month
     assert store.day_totals(t.id, utc(2024, 5, 17, 12)) == UsageTotals(5, 50, 5, 5)
     assert store.day_totals(t.id, utc(2024, 5, 18)) == UsageTotals()
-    assert store.month_totals(t.id, utc(2024, 5, 9)) == UsageTotals(10, 100, 10, 9)
-    assert store.month_totals(t.id, utc(2024, 12, 9)) == UsageTotals()
-    assert store.month_totals(t.id, utc(2024, 5, 9)).total_tokens == 110
+    assert store.day_totals(t.id, utc(2024, 5, 31, 12)).total_tokens == 44
 
 
 def test_tenants_do_not_see_each_others_usage(store: Store) -> None:
@@ -132,7 +130,7 @@ def test_usage_and_audit_survive_reopen(store: Store, store_url: str) -> None:
     entry = store.append_audit("cli", "tenant.create", t.id, after={"name": "acme"}, at=5.0)
     store.close()
     with open_store(store_url) as again:
-        assert again.month_totals(t.id, utc(2024, 5, 20)) == UsageTotals(2, 20, 10, 5)
+        assert again.day_totals(t.id, utc(2024, 5, 3)) == UsageTotals(2, 20, 10, 5)
         assert again.list_audit() == [entry]
         again.record_usage(t.id, utc(2024, 5, 3, 10, 30), 1, 1, 1, 1)
         assert again.day_totals(t.id, utc(2024, 5, 3)) == UsageTotals(3, 21, 11, 6)

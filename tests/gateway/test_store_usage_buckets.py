@@ -1,4 +1,4 @@
-"""UTC buckets: month boundaries, overlap spans, grouping hours into days."""
+"""UTC buckets: day boundaries, overlap spans, grouping hours into days."""
 
 from __future__ import annotations
 
@@ -7,17 +7,14 @@ from datetime import UTC, datetime
 import pytest
 
 from gateway.store.models import UsageRow, UsageTotals
-from gateway.store.usage_buckets import day_range, group_hours, hour_span, month_key, month_range
+from gateway.store.usage_buckets import day_range, group_hours, hour_span
 
 
 def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0) -> int:
     return int(datetime(year, month, day, hour, minute, second, tzinfo=UTC).timestamp())
 
 
-def test_month_range_handles_year_end_and_leap_february() -> None:
-    assert month_range(utc(2024, 12, 31, 23, 59)) == (utc(2024, 12, 1), utc(2025, 1, 1))
-    assert month_range(utc(2024, 2, 29, 12)) == (utc(2024, 2, 1), utc(2024, 3, 1))
-    assert month_key(utc(2024, 2, 29, 12)) == "202402"
+def test_day_range_handles_a_leap_day() -> None:
     assert day_range(utc(2024, 2, 29, 12) + 0.5) == (utc(2024, 2, 29), utc(2024, 3, 1))
 
 

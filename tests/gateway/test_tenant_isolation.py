@@ -81,24 +81,25 @@ def test_revoked_and_expired_keys_get_401_and_suspended_403(gateway_stack):
     assert resp.status_code == 403 and resp.json()["error"]["code"] == "tenant_suspended"
 
 
-def test_priority_is_clamped_to_the_tenants_range(gateway_stack):
-    from gateway.admission.base import AdmissionRequest, PriorityClampAdmission
-
+def test_priority_outside_the_tenants_range_is_refused_never_clamped(gateway_stack):
+    """The one priority rule (policies.TenantPolicy): lower is served first, absent means default_priority,
+    and outside [min_priority, max_priority] is a 400 (this test once expected clamping, which the
+    admission serve runs never did)."""
     store = gateway_stack.store
     tenant = store.create_tenant("prio", policy={"min_priority": 3, "max_priority": 6, "default_priority": 4})
-    admission = PriorityClampAdmission()
-
-    async def admit(priority):
-        ticket = AdmissionRequest("r", tenant, BASE_MODEL, priority, 10, 10, 1)
-        return (await admission.admit(ticket)).priority
-
-    import asyncio
-
-    assert [asyncio.run(admit(p)) for p in (None, 0, 5, 99)] == [4, 3, 5, 6]
     key, _ = store.create_api_key(tenant.id)
-    resp = httpx.post(gateway_stack.v1 + "/completions", headers={"authorization": f"Bearer {key}"}, timeout=30,
-                      json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 2, "priority": -5})
-    assert resp.status_code == 200, resp.text
+
+    def complete(**extra):
+        return httpx.post(gateway_stack.v1 + "/completions", headers={"authorization": f"Bearer {key}"},
+                          timeout=30, json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 2, **extra})
+
+    for allowed in ({}, {"priority": 3}, {"priority": 6}):
+        assert complete(**allowed).status_code == 200
+    for refused in (-5, 0, 2, 7, 99):
+        resp = complete(priority=refused)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "priority_not_allowed"
+        assert resp.json()["error"]["param"] == "priority"
 
 
 def _cached_tokens(stack, key, text):
@@ -116,13 +117,10 @@ def test_tenants_never_share_kv_unless_an_operator_makes_both_public(gateway_sta
     assert _cached_tokens(gateway_stack, gateway_stack.key_b, prompt) == 0  # B cannot reuse (or time) A's KV
     try:
         for tenant in (gateway_stack.tenant_a, gateway_stack.tenant_b):
-            policy = store.get_tenant(tenant).policy
-            store.update_policy(tenant, {**policy, "share_prefix_cache": True})
+            store.update_policy(tenant, store.get_tenant(tenant).policy.with_changes({"share_prefix_cache": True}))
         public = prompt + "(public)"
         assert _cached_tokens(gateway_stack, gateway_stack.key_a, public) == 0
         assert _cached_tokens(gateway_stack, gateway_stack.key_b, public) > 0
     finally:
         for tenant in (gateway_stack.tenant_a, gateway_stack.tenant_b):
-            policy = dict(store.get_tenant(tenant).policy)
-            policy.pop("share_prefix_cache", None)
-            store.update_policy(tenant, policy)
+            store.update_policy(tenant, store.get_tenant(tenant).policy.with_changes({"share_prefix_cache": None}))

@@ -64,3 +64,70 @@ def validate(value, schema: dict) -> None:
         assert _RFC3339.match(value), value
         leap_second_as_59 = value[:17] + "59" + value[19:] if value[17:19] == "60" else value  # RFC 3339 allows :60
         datetime.datetime.fromisoformat(leap_second_as_59.upper())
+
+
+def greedy_ids(info: TokenizerInfo, text: str) -> list[int]:
+    """Some token split of `text` (longest byte match first): the grammar must accept any split."""
+    table: dict[bytes, int] = {}
+    for token_id, piece in enumerate(info.token_bytes):
+        if piece:
+            table.setdefault(piece, token_id)
+    longest = max(len(p) for p in table)
+    data, ids, pos = text.encode(), [], 0
+    while pos < len(data):
+        for length in range(min(longest, len(data) - pos), 0, -1):
+            if data[pos : pos + length] in table:
+                ids.append(table[data[pos : pos + length]])
+                pos += length
+                break
+        else:
+            raise AssertionError(f"no token covers byte {data[pos]} of {text!r}")
+    return ids
+
+
+def accepts(compiled: CompiledGrammar, info: TokenizerInfo, text: str) -> bool:
+    """The grammar takes `text` token by token and may end there (EOS allowed)."""
+    matcher = compiled.matcher()
+    return all(matcher.accept_token(t) for t in greedy_ids(info, text)) and matcher.is_accepting()
+
+
+def accepts_in_some_order(compiled: CompiledGrammar, info: TokenizerInfo, instance, budget: int = 20_000) -> bool:
+    """The grammar takes `instance` serialized compactly with its object keys in some order (a grammar
+    fixes one order of properties; which one follows from how the backend merged the schema). Depth-first
+    over key orders, pruned by feeding each prefix to a fresh matcher."""
+    import json
+
+    calls = [0]
+
+    def feasible(text: str) -> bool:
+        calls[0] += 1
+        if calls[0] > budget:
+            raise AssertionError(f"key-order search over budget for {instance!r}")
+        matcher = compiled.matcher()
+        return all(matcher.accept_token(t) for t in greedy_ids(info, text))
+
+    def emit(prefix: str, value, then) -> bool:
+        if isinstance(value, dict):
+            return members(prefix + "{", list(value.items()), True, then)
+        if isinstance(value, list):
+            return elements(prefix + "[", value, True, then)
+        text = prefix + json.dumps(value, ensure_ascii=False)
+        return feasible(text) and then(text)
+
+    def members(prefix: str, remaining: list, first: bool, then) -> bool:
+        if not remaining:
+            return feasible(prefix + "}") and then(prefix + "}")
+        for i, (key, value) in enumerate(remaining):
+            head = prefix + ("" if first else ",") + json.dumps(key, ensure_ascii=False) + ":"
+            rest = remaining[:i] + remaining[i + 1:]
+            if feasible(head) and emit(head, value, lambda text, rest=rest: members(text, rest, False, then)):
+                return True
+        return False
+
+    def elements(prefix: str, remaining: list, first: bool, then) -> bool:
+        if not remaining:
+            return feasible(prefix + "]") and then(prefix + "]")
+        head = prefix + ("" if first else ",")
+        return emit(head, remaining[0], lambda text: elements(text, remaining[1:], False, then))
+
+    return emit("", instance, lambda text: accepts(compiled, info, text))

@@ -30,6 +30,10 @@ def test_schema_outputs_validate(name, kind, compilers, tokenizer_infos, tokeniz
             continue
         stops += 1
         text = decode(tokenizers[kind], tokenizer_infos[kind], ids)
+        if compiled.guard.check(text) is not None:
+            # only where the grammar approximates (date-time, time): the guard fails such an output
+            assert compiled.report.approximations, (name, text)
+            continue
         validate(json.loads(text), schema)
     assert stops >= 3, f"only {stops}/10 samples finished: the check would be vacuous"
 

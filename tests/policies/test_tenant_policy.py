@@ -1,11 +1,11 @@
-"""TenantPolicy: defaults, validation, priority resolution, request size."""
+"""TenantPolicy: defaults, validation, the one parser (overrides, edits), priority resolution, request size."""
 
 from __future__ import annotations
 
 import pydantic
 import pytest
 
-from policies.tenant_policy import PriorityNotAllowed, RequestTooLarge, TenantPolicy
+from policies.tenant_policy import InvalidPolicy, PriorityNotAllowed, RequestTooLarge, TenantPolicy
 
 
 def test_defaults_are_consistent_and_budgets_unlimited():
@@ -46,16 +46,52 @@ def test_resolve_priority_defaults_accepts_range_and_refuses_outside():
             policy.resolve_priority(bad)  # type: ignore[arg-type]
 
 
-def test_request_size_reservation_and_default_max_tokens():
+def test_request_size_reservation():
     policy = TenantPolicy(max_tokens_per_request=1000)
     assert policy.check_request_size(300, 700) == 1000
     with pytest.raises(RequestTooLarge, match="1001 exceeds"):
         policy.check_request_size(301, 700)
     with pytest.raises(ValueError, match=">= 0"):
         policy.check_request_size(-1, 5)
-    assert policy.default_max_tokens(250) == 750
-    with pytest.raises(RequestTooLarge, match="no room"):
-        policy.default_max_tokens(1000)
+
+
+def test_unset_fields_follow_the_fields_an_operator_set():
+    narrowed = TenantPolicy.parse({"max_priority": 4, "tokens_per_minute": 300})
+    assert (narrowed.default_priority, narrowed.max_tokens_per_request) == (4, 300)
+    assert TenantPolicy.parse({"min_priority": 7}).default_priority == 7
+    assert TenantPolicy(max_priority=4) == narrowed.with_changes({"tokens_per_minute": None})
+
+
+def test_overrides_are_what_the_operator_set_and_parse_back_to_the_same_policy():
+    policy = TenantPolicy.parse({"max_priority": 4, "fair_share_weight": 3, "share_prefix_cache": True})
+    assert policy.overrides() == {"max_priority": 4, "fair_share_weight": 3.0, "share_prefix_cache": True}
+    assert TenantPolicy.parse(policy.overrides()) == policy
+    assert TenantPolicy.parse(None) == TenantPolicy() and TenantPolicy().overrides() == {}
+
+
+def test_with_changes_sets_clears_and_leaves_the_original_alone():
+    policy = TenantPolicy.parse({"max_priority": 4})
+    changed = policy.with_changes({"requests_per_minute": 5, "max_priority": None})
+    assert changed.overrides() == {"requests_per_minute": 5}
+    assert changed.default_priority == 5 and policy.overrides() == {"max_priority": 4}
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"requests_per_minute": 0}, "requests_per_minute"),
+    ({"requests_per_minute": "5"}, "requests_per_minute"),  # strict JSON types: no coercion
+    ({"share_prefix_cache": 1}, "share_prefix_cache"),
+    ({"max_adapters": True}, "max_adapters"),
+    ({"rpm": 3}, "rpm"),
+    ({"rpm": None}, "rpm"),  # clearing a field that does not exist is refused too
+    ({"min_priority": 5, "max_priority": 4}, "max_priority"),
+    ({"default_priority": 0}, "default_priority"),
+    ([1, 2], "policy"),
+])
+def test_every_invalid_policy_is_one_error_naming_the_field(value, field):
+    with pytest.raises(InvalidPolicy) as refused:
+        TenantPolicy().with_changes(value) if isinstance(value, dict) else TenantPolicy.parse(value)
+    assert refused.value.field == field and field in str(refused.value)
+    assert isinstance(refused.value, ValueError)
 
 
 def test_scaled_splits_rate_limits_but_not_budgets():

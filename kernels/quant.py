@@ -1,0 +1,154 @@
+"""Weight-only quantized linear layers: int8 per output channel, int4 group-wise, activations unquantized.
+
+The matrices and their layouts are in kernels.quant_weights (W[n, k] = q[n, k] * scale[n] for int8,
+(q[n, k] - 8) * scale[g, n] + zero[g, n] for int4). `linear(x, w, bias)` is the model's one entry for every
+projection: a dense tensor goes to F.linear; a quantized weight to Triton on CUDA (kernels.quant_triton)
+and to the CPU path (kernels.quant_cpu: torch's packed kernels or dequantize-then-F.linear, chosen per call
+by measured thresholds) otherwise. `linear_ref` is the torch reference twin the tests compare both against:
+one fp32 matmul over `dequantize(w)`. Quantizing (`quantize_int8`, `quantize_int4`) happens once, at load,
+on the host; `place` then moves a weight to its device in the layout that device's kernels read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import quant_cpu
+from kernels.quant_weights import (
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    dequantize_int4,
+    nibble_values,
+    tensor_bytes,
+)
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel and the Triton kernel's K tiles support
+Weight = torch.Tensor | QuantizedWeight  # what a model's projection holds
+__all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "QuantizedWeight", "Weight", "concat", "dequantize",
+           "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place", "quantize_int4",
+           "quantize_int8"]
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias for a dense or quantized W.
+
+    Semantics:
+        y[t, n] = sum_k x[t, k] * W[n, k] + bias[n], W as in kernels.quant_weights (dense: the tensor itself).
+        x: (T, K) activation dtype, bias: (N,) or None -> y: (T, N) in x's dtype. A quantized W is read in
+        x's dtype (on the CPU, bf16 activations use torch's packed int8/int4 kernels or a bf16 dequantized
+        copy; fp32 and fp16 a dequantized copy in their dtype; on CUDA the Triton kernel sums in fp32), so y
+        agrees with `linear_ref` to that dtype's rounding.
+    """
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if x.dtype != _scales(w).dtype:
+        raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {_scales(w).dtype}")
+    if x.is_cuda:
+        from kernels import quant_triton
+
+        return quant_triton.linear(x, w, bias)
+    return quant_cpu.linear(x, w, bias)
+
+
+def linear_ref(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference twin of `linear` (same Semantics): an fp32 matmul over `dequantize(w)`."""
+    y = x.float() @ dequantize(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (N, K) matrix w stands for, computed in `dtype` (fp32: exactly the module docstring's formula)."""
+    if isinstance(w, Int8Weight):
+        return w.qweight.to(dtype) * w.scales.to(dtype)[:, None]
+    return dequantize_int4(int4_values(w), w.scale_zeros, w.group_size, dtype)
+
+
+def int4_values(w: Int4Weight) -> torch.Tensor:
+    """(N, K) uint8: the 4-bit values q[n, k] of w, whatever its layout."""
+    if w.layout == "cpu_int4pack":
+        return quant_cpu.unpack_int4(w.qweight, w.shape[0], w.shape[1]).T
+    return nibble_values(w.qweight)
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    """Round (N, K) w to int8 with one scale per row: scale = max |w[n]| / 127, stored in `dtype`."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float16).tiny).to(dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scales)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> Int4Weight:
+    """Round (N, K) w to int4 per group of `group_size` inputs (min-max, asymmetric), nibbles layout.
+
+    Each group's [min, max] maps onto 0..15: scale = (max - min) / 15, zero = min + 8 * scale, both stored
+    in `dtype`; q = round((w - zero) / scale) + 8 against the stored (rounded) scale and zero.
+    """
+    n, k = w.shape
+    _check_group(k, group_size)
+    groups = w.float().view(n, k // group_size, group_size)  # (N, G, gs)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float16).tiny).to(dtype)
+    zeros = (lo + 8 * scales.float()).to(dtype)
+    q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+    return int4_from_values(q.clamp(0, 15).to(torch.uint8).view(n, k), scales.T, zeros.T, group_size)
+
+
+def int4_from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Weight:
+    """An Int4Weight (nibbles layout) from values q (N, K) in 0..15 and scales, zeros (K / group_size, N)."""
+    n, k = q.shape
+    _check_group(k, group_size)
+    if tuple(scales.shape) != (k // group_size, n) or scales.shape != zeros.shape:
+        raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not fit q {(n, k)} "
+                         f"with group size {group_size}")
+    q = q.to(torch.uint8)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)  # (N, K / 2)
+    return Int4Weight(packed.contiguous(), torch.stack([scales, zeros], dim=-1).contiguous(), group_size)
+
+
+def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack quantized weights along N (the fused q|k|v and gate|up projections). Host layouts only."""
+    int8 = [w for w in weights if isinstance(w, Int8Weight)]
+    if len(int8) == len(weights):
+        return Int8Weight(torch.cat([w.qweight for w in int8]), torch.cat([w.scales for w in int8]))
+    int4 = [w for w in weights if isinstance(w, Int4Weight) and w.layout == "nibbles"]
+    if len(int4) == len(weights) and len({w.group_size for w in int4}) == 1:
+        return Int4Weight(torch.cat([w.qweight for w in int4]), torch.cat([w.scale_zeros for w in int4], 1),
+                          int4[0].group_size)
+    raise ValueError("only quantized weights of one kind, group size and nibbles layout can be fused")
+
+
+def place(w: Weight, device: torch.device | str) -> Weight:
+    """w on `device` in the layout its kernels read: int4 goes to torch's CPU layout where that kernel
+    exists and N is a multiple of 16 (else it stays in nibbles and is dequantized per call)."""
+    device = torch.device(device)
+    if isinstance(w, torch.Tensor):
+        return w.to(device)
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.qweight.to(device), w.scales.to(device))
+    if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4(w.shape[0]):
+        return Int4Weight(quant_cpu.pack_int4(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
+                          "cpu_int4pack")
+    if device.type != "cpu" and w.layout != "nibbles":
+        w = int4_from_values(int4_values(w), w.scale_zeros[..., 0], w.scale_zeros[..., 1], w.group_size)
+    return Int4Weight(w.qweight.to(device), w.scale_zeros.to(device), w.group_size, w.layout)
+
+
+def nbytes(w: Weight) -> int:
+    """Resident bytes of a dense or quantized weight."""
+    return tensor_bytes(w) if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def _scales(w: QuantizedWeight) -> torch.Tensor:
+    return w.scales if isinstance(w, Int8Weight) else w.scale_zeros
+
+
+def _check_group(in_features: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide in_features {in_features}")

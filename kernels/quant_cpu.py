@@ -1,0 +1,149 @@
+"""The CPU path of `kernels.quant.linear`: torch's packed int8/int4 kernels, or dequantize then F.linear.
+
+Per call, by measurement (python -m bench.quantization; single thread, AMD EPYC with AVX-512 BF16, the bench
+model's shapes, torch 2.13):
+
+- bf16 activations, few tokens: `torch.ops.aten._weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`
+  read 1 or 0.5 byte per weight and beat bf16 F.linear 1.4-2.5x at one token (fused q|k|v 960x576: 31-35 us
+  vs 58-67 us; gate|up 3072x576: 95-108 us vs 140-240 us). They do not reuse a weight tile across more than
+  4 rows, so their cost grows linearly with tokens: from 17 tokens (int8) and 33 (int4) on, dequantizing the
+  weight to bf16 and calling F.linear wins (at 512 tokens the packed kernels take 1.9-2.6x as long as that;
+  the dequantized path is 5-20 % slower than bf16 F.linear there).
+- fp32 and fp16 activations: the packed kernels have no vectorized path for them (fp32: 10-100x slower
+  than fp32 F.linear; fp16 int8: 1740 us vs 95 us in bf16 on gate|up), so the weight is dequantized to the
+  activation dtype and F.linear runs it (one extra pass over the weight per call).
+- a kernel missing from this torch build: dequantize then F.linear, whatever the dtype.
+
+torch's int4 layout is blocked (64 rows per block with AVX-512, 32 otherwise; the pairing of rows in a byte
+depends on the CPU capability), so `unpack_int4` reads it back through the row order it probes from the
+packing op itself, once per block size, on this machine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant_weights import Int4Weight, Int8Weight, QuantizedWeight, nibble_values
+
+_aten = torch.ops.aten
+HAS_INT8_MM = hasattr(_aten, "_weight_int8pack_mm")
+HAS_INT4_MM = hasattr(_aten, "_weight_int4pack_mm_for_cpu") and hasattr(_aten, "_convert_weight_to_int4pack_for_cpu")
+# Up to this many tokens the packed kernel runs; above it, dequantize then F.linear (measured; see above).
+INT8_PACKED_MAX_TOKENS = 16
+INT4_PACKED_MAX_TOKENS = 32
+_INNER_K_TILES = 8  # ignored by the CPU kernel, which packs by rows; 8 is what torchao passes
+
+
+def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.quant.linear` on CPU tensors (same Semantics)."""
+    tokens = x.shape[0]
+    bf16 = x.dtype == torch.bfloat16
+    if isinstance(w, Int8Weight):
+        if bf16 and HAS_INT8_MM and tokens <= INT8_PACKED_MAX_TOKENS:
+            return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)
+        return F.linear(x, w.qweight.to(x.dtype) * w.scales[:, None], bias)
+    if bf16 and w.layout == "cpu_int4pack" and tokens <= INT4_PACKED_MAX_TOKENS:
+        return _add_bias(_aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.qweight, w.group_size, w.scale_zeros),
+                         bias)
+    y = x @ dequantize_int4_t(w, x.dtype)
+    return _add_bias(y, bias)
+
+
+def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """W.T (K, N) in `dtype`, contiguous: the operand of x @ W.T without a transpose copy of the weight.
+
+    q - 8 is unpacked straight into `dtype` in W.T's order, then one addcmul adds zero + (q - 8) * scale,
+    computed in fp32 and rounded once (torch's CPU ops on bf16), like the reference.
+    """
+    n, k = w.shape
+    if w.layout == "cpu_int4pack":
+        centered = unpack_int4(w.qweight, n, k, dtype, offset=8)  # (K, N)
+    else:
+        centered = (nibble_values(w.qweight).T.to(dtype, memory_format=torch.contiguous_format) - 8)
+    scales, zeros = w.scale_zeros[..., 0].contiguous(), w.scale_zeros[..., 1].contiguous()  # (G, N) each
+    groups = k // w.group_size
+    return torch.addcmul(zeros[:, None, :], centered.view(groups, w.group_size, n), scales[:, None, :]).view(k, n)
+
+
+def can_pack_int4(out_features: int) -> bool:
+    return HAS_INT4_MM and out_features % 16 == 0
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in 0..15 -> torch's CPU int4 layout, (N, K / 2) uint8."""
+    return _aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype = torch.uint8,
+                offset: int = 0) -> torch.Tensor:
+    """The inverse of `pack_int4`, transposed: (K, N) values minus `offset` in `dtype` (each k's rows are
+    stored together in the packed layout)."""
+    block = _block_rows()
+    full, tail = divmod(n, block)
+    flat = packed.reshape(-1)
+    out = torch.empty(k, n, dtype=dtype)
+    if full:
+        _unpack_blocks(flat[: full * block * k // 2].view(full, k, block // 2), out[:, : full * block], offset)
+    if tail:
+        _unpack_blocks(flat[full * block * k // 2 :].view(1, k, tail // 2), out[:, full * block :], offset)
+    return out
+
+
+def _unpack_blocks(data: torch.Tensor, out: torch.Tensor, offset: int) -> None:
+    """(blocks, K, rows / 2) packed bytes -> out (K, blocks * rows): the values minus offset, in row order."""
+    blocks, k, half = data.shape
+    rows = 2 * half
+    lo, hi = data & 15, data >> 4
+    if offset:  # 0..15 fit int8: reinterpret, then shift on the half-size nibble arrays, not on out
+        lo, hi = lo.view(torch.int8) - offset, hi.view(torch.int8) - offset
+    lo, hi = lo.transpose(0, 1), hi.transpose(0, 1)  # (K, blocks, rows / 2) each
+    order = _row_order(rows)
+    if isinstance(order, str) and order == "halves":  # byte j: rows j, j + rows / 2 (AVX-512/AVX2 full blocks)
+        view = out.view(k, blocks, 2, half)
+        view[:, :, 0].copy_(lo)
+        view[:, :, 1].copy_(hi)
+    elif isinstance(order, str):  # "pairs": byte j holds rows 2j and 2j + 1 (tail blocks, scalar builds)
+        view = out.view(k, blocks, half, 2)
+        view[..., 0].copy_(lo)
+        view[..., 1].copy_(hi)
+    else:  # an order this code does not know: gather the probed one
+        nibbles = torch.stack([lo, hi], dim=3).view(k, blocks, rows)
+        out.view(k, blocks, rows).copy_(nibbles[..., order])
+
+
+@functools.cache
+def _block_rows() -> int:
+    """Rows per block of the CPU int4 layout on this machine: packs a probe whose k = 0 column is 0 and
+    k = 1 column is 1; within a block every row's k = 0 nibble comes before any k = 1 nibble."""
+    probe = torch.zeros(128, 2, dtype=torch.int32)
+    probe[:, 1] = 1
+    nibbles = _nibbles(pack_int4(probe))
+    return int(nibbles.nonzero()[0])
+
+
+@functools.cache
+def _row_order(rows: int) -> str | torch.Tensor:
+    """How one block of `rows` rows (a full block, or the tail of a matrix) orders its rows within a k:
+    "halves", "pairs", or the index tensor that puts the nibbles back in row order."""
+    row = torch.arange(rows, dtype=torch.int32)
+    probe = torch.stack([row % 16, row // 16], dim=1)  # (rows, 2): k = 0 holds row % 16, k = 1 row // 16
+    nibbles = _nibbles(pack_int4(probe))
+    at = nibbles[:rows] + 16 * nibbles[rows:]  # at[p] = row whose k nibble sits at position p
+    half = rows // 2
+    if torch.equal(at, torch.stack([torch.arange(half), torch.arange(half, rows)], dim=1).flatten()):
+        return "halves"
+    if torch.equal(at, torch.arange(rows)):
+        return "pairs"
+    return torch.argsort(at)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    flat = packed.reshape(-1).long()
+    return torch.stack([flat & 15, flat >> 4], dim=1).flatten()
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y.add_(bias)

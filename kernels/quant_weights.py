@@ -1,0 +1,79 @@
+"""Weight-only quantized matrices: int8 per output channel, int4 group-wise (the layouts; math in kernels.quant).
+
+A quantized weight stands for the (N, K) = (out_features, in_features) matrix W the model would otherwise
+hold in its activation dtype:
+
+    int8:  W[n, k] = q[n, k] * scale[n]                              q in -127..127
+    int4:  W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]         q in 0..15, g = k // group_size
+
+(the int4 form of torch's packed CPU kernels and torchao; a GPTQ checkpoint's (q - z) * s is the same with
+zero = (8 - z) * s). Scales and zeros are stored in the activation dtype, the form every kernel reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Int4Layout = Literal["nibbles", "cpu_int4pack"]
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """int8 per output channel (symmetric). Same layout on every device."""
+
+    qweight: torch.Tensor  # (N, K) int8
+    scales: torch.Tensor  # (N,) activation dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], self.qweight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.qweight) + tensor_bytes(self.scales)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """int4 group-wise (asymmetric). `layout` says how qweight holds the 4-bit values q[n, k]:
+
+    "nibbles":      (N, K / 2) uint8, byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4. Host form, and CUDA's.
+    "cpu_int4pack": (N, K / 2) uint8 in the blocked layout of torch's `_convert_weight_to_int4pack_for_cpu`
+                    (blocks of 64 or 32 rows, depending on the CPU; kernels.quant_cpu reads it back).
+    """
+
+    qweight: torch.Tensor
+    scale_zeros: torch.Tensor  # (K / group_size, N, 2) activation dtype: [..., 0] scale, [..., 1] zero
+    group_size: int
+    layout: Int4Layout = "nibbles"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], 2 * self.qweight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.qweight) + tensor_bytes(self.scale_zeros)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def nibble_values(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K / 2) nibbles-layout bytes -> (N, K) uint8 values."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize_int4(q: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) values q and (G, N, 2) scales/zeros -> the (N, K) matrix, computed in `dtype`."""
+    n, k = q.shape
+    groups = q.to(dtype).reshape(n, k // group_size, group_size)  # (N, G, gs)
+    sz = scale_zeros.to(dtype).transpose(0, 1)  # (N, G, 2)
+    return ((groups - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,128 @@
+"""`loraplex-worker` (also `python -m worker` and `loraplex worker`): one engine worker as an HTTP service.
+
+The worker serves the protocol of wire/protocol.py to gateways that send the shared secret, which it
+reads from LORAPLEX_WORKER_SECRET (never from the command line, where `ps` would show it). Every flag
+can also be set with a LORAPLEX_* environment variable (the flag wins): --model (LORAPLEX_MODEL),
+--served-model-name (LORAPLEX_SERVED_MODEL_NAME), --host (LORAPLEX_HOST), --port (LORAPLEX_PORT),
+--otlp-endpoint (LORAPLEX_OTLP_ENDPOINT), --register-redis-url (LORAPLEX_REGISTER_REDIS_URL),
+--advertise-url (LORAPLEX_ADVERTISE_URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from worker.registration import HeartbeatConfig, WorkerHeartbeat
+
+SECRET_ENV = "LORAPLEX_WORKER_SECRET"
+DEFAULT_PORT = 8001
+PROG = "loraplex worker"
+
+
+class WorkerCommandError(Exception):
+    """A problem the operator can fix; printed without a traceback."""
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="An engine worker as an internal HTTP service (secret in LORAPLEX_WORKER_SECRET).")
+    group = parser.add_argument_group("worker options (also LORAPLEX_* environment variables)")
+    group.add_argument("--model", default=env.get("LORAPLEX_MODEL"), help="HF-format model directory")
+    group.add_argument("--served-model-name", default=env.get("LORAPLEX_SERVED_MODEL_NAME"),
+                       help="the base model's name in the API (default: the model directory's name)")
+    group.add_argument("--host", default=env.get("LORAPLEX_HOST", "127.0.0.1"), help="address to listen on")
+    group.add_argument("--port", type=int, default=_int_env(env, "LORAPLEX_PORT"),
+                       help=f"port to listen on (default {DEFAULT_PORT})")
+    group.add_argument("--otlp-endpoint", default=env.get("LORAPLEX_OTLP_ENDPOINT") or None,
+                       help="export OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://host:4318)")
+    engine = parser.add_argument_group("engine options")
+    engine.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-loras", type=int, default=8)
+    engine.add_argument("--max-lora-rank", type=int, default=64)
+    engine.add_argument("--quantization", choices=("none", "int8", "int4"), default="none",
+                        help="weight-only quantization at load: int8 per output channel, int4 group-wise "
+                             "(a GPTQ checkpoint loads as int4 either way)")
+    engine.add_argument("--quantization-group-size", type=int, default=None,
+                        help="int4 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 that fits)")
+    registration = parser.add_argument_group("registration options (worker discovery through Redis)")
+    registration.add_argument("--register-redis-url", default=env.get("LORAPLEX_REGISTER_REDIS_URL") or None,
+                              help="heartbeat this worker's URL and state into this Redis")
+    registration.add_argument("--advertise-url", default=env.get("LORAPLEX_ADVERTISE_URL") or None,
+                              help="the URL gateways use to reach this worker, e.g. http://worker-1:8001")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except WorkerCommandError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine and serve it until interrupted."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise WorkerCommandError(f"set the shared secret in {SECRET_ENV} (the gateway sends it with every call)")
+    if not args.model:
+        raise WorkerCommandError("a worker needs --model (or LORAPLEX_MODEL)")
+    heartbeat = registration_heartbeat(args)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    # NOTE: imported here so that --help and flag errors answer without loading torch.
+    from engine.async_llm import AsyncLLM
+    from engine.config import EngineConfig
+    from worker.capabilities import WorkerCapabilities
+    from worker.server import run_worker
+    from worker.tracing import build_tracer_provider
+
+    try:
+        config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
+                              kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
+                              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                              quantization=args.quantization, quantization_group_size=args.quantization_group_size)
+        tracer_provider = build_tracer_provider(args.otlp_endpoint)
+    except ValueError as e:
+        raise WorkerCommandError(str(e)) from None
+    llm = AsyncLLM.from_config(config)
+    served_name = args.served_model_name or Path(args.model).name
+    run_worker(llm, served_name, secret, WorkerCapabilities.of_engine(config), host=args.host,
+               port=args.port or DEFAULT_PORT, tracer_provider=tracer_provider,
+               background=(lambda service: heartbeat.run(service.state)) if heartbeat else None)
+    return 0
+
+
+def registration_heartbeat(args: argparse.Namespace) -> WorkerHeartbeat | None:
+    """The worker's Redis heartbeat (`--register-redis-url` with `--advertise-url`), or None."""
+    if not args.register_redis_url:
+        if args.advertise_url:
+            raise WorkerCommandError("--advertise-url only matters with --register-redis-url")
+        return None
+    if not args.advertise_url:
+        raise WorkerCommandError("--register-redis-url needs --advertise-url (how gateways reach this worker)")
+    try:
+        return WorkerHeartbeat(HeartbeatConfig(redis_url=args.register_redis_url, advertise_url=args.advertise_url))
+    except ValueError as e:
+        raise WorkerCommandError(str(e)) from None
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"{PROG}: error: {name} must be an integer port, got {value!r}") from None
