@@ -3,22 +3,24 @@
 #
 #   bench/gpu.sh [--quick]        (from anywhere; needs `make setup` done: .venv with torch and triton)
 #
-# 1. the GPU kernel tests: every test under tests/kernels on the device (the Triton tests compile for the
+# 1. the full ahead-of-time compile sweep (python -m kernels.triton_aot: every variant for sm_80 and sm_90,
+#    no GPU needed, over all cores): bench/results/triton_aot.json;
+# 2. the GPU kernel tests: every test under tests/kernels on the device (the Triton tests compile for the
 #    local GPU and compare against the torch twins; the gpu-marked ones at realistic sizes), except the
-#    ahead-of-time compile sweep, which needs no GPU and runs in the default suite;
-# 2. bench.gpu_kernels: Triton paged attention and LoRA vs the torch twins, a table on stdout and
+#    default-tier compile sweep, which step 1 covers;
+# 3. bench.gpu_kernels: Triton paged attention and LoRA vs the torch twins, a table on stdout and
 #    bench/results/gpu_kernels.json.
-# Results land in bench/results/ (gpu_tests.xml, gpu_tests.log, gpu_kernels.json, gpu_kernels.log,
-# gpu_env.txt). Exit status: 0 when both steps pass, else the first failure's (the benchmark still runs
-# when tests fail, so one run gives both). Each step has a timeout (GPU_TEST_TIMEOUT, GPU_BENCH_TIMEOUT
-# seconds) and the Triton cache is a fresh temporary directory, removed at exit.
+# Results land in bench/results/ (triton_aot.{json,log}, gpu_tests.{xml,log}, gpu_kernels.{json,log},
+# gpu_env.txt). Exit status: 0 when every step passes, else the first failure's (later steps still run,
+# so one run gives everything). Each step has a timeout (GPU_AOT_TIMEOUT, GPU_TEST_TIMEOUT,
+# GPU_BENCH_TIMEOUT seconds) and every Triton cache is a fresh temporary directory, removed at exit.
 set -euo pipefail
 
 QUICK=""
 for arg in "$@"; do
   case "$arg" in
     --quick) QUICK="--quick" ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -27,6 +29,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 RESULTS="$ROOT/bench/results"
+AOT_TIMEOUT="${GPU_AOT_TIMEOUT:-900}"
 TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-1500}"
 BENCH_TIMEOUT="${GPU_BENCH_TIMEOUT:-900}"
 
@@ -53,11 +56,24 @@ export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null \
     || echo "nvidia-smi: not available"
-  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
-} | tee "$RESULTS/gpu_env.txt"
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())' \
+    || echo "torch/triton device info: not available"
+} 2>&1 | tee "$RESULTS/gpu_env.txt"
 
 status=0
-echo "== 1/2 GPU kernel tests (timeout ${TEST_TIMEOUT}s)"
+echo "== 1/3 ahead-of-time compile sweep, sm_80 and sm_90 (timeout ${AOT_TIMEOUT}s)"
+set +e
+# kernels.triton_aot makes its own fresh cache when TRITON_CACHE_DIR is unset
+env -u TRITON_CACHE_DIR timeout --kill-after=30 "$AOT_TIMEOUT" "$PY" -m kernels.triton_aot --jobs "$(nproc)" \
+  --tier full --quiet --json "$RESULTS/triton_aot.json" 2>&1 | tee "$RESULTS/triton_aot.log"
+aot_status=${PIPESTATUS[0]}
+set -e
+if [[ $aot_status -ne 0 ]]; then
+  echo "compile sweep failed (exit $aot_status; 124 = timed out): see $RESULTS/triton_aot.log" >&2
+  status=$aot_status
+fi
+
+echo "== 2/3 GPU kernel tests (timeout ${TEST_TIMEOUT}s)"
 set +e
 timeout --kill-after=30 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/kernels \
   -k "not every_dispatchable_variant" --junitxml="$RESULTS/gpu_tests.xml" -o timeout=600 \
@@ -66,10 +82,10 @@ test_status=${PIPESTATUS[0]}
 set -e
 if [[ $test_status -ne 0 ]]; then
   echo "GPU kernel tests failed (exit $test_status; 124 = timed out): see $RESULTS/gpu_tests.log" >&2
-  status=$test_status
+  [[ $status -ne 0 ]] || status=$test_status
 fi
 
-echo "== 2/2 GPU kernel benchmark (timeout ${BENCH_TIMEOUT}s)"
+echo "== 3/3 GPU kernel benchmark (timeout ${BENCH_TIMEOUT}s)"
 set +e
 timeout --kill-after=30 "$BENCH_TIMEOUT" "$PY" -m bench.gpu_kernels $QUICK 2>&1 | tee "$RESULTS/gpu_kernels.log"
 bench_status=${PIPESTATUS[0]}
@@ -79,5 +95,5 @@ if [[ $bench_status -ne 0 ]]; then
   [[ $status -ne 0 ]] || status=$bench_status
 fi
 
-echo "== done: tests exit $test_status, benchmark exit $bench_status; results in $RESULTS"
+echo "== done: compile sweep exit $aot_status, tests exit $test_status, benchmark exit $bench_status; results in $RESULTS"
 exit "$status"

@@ -23,7 +23,7 @@ from engine.llm_engine import EngineStats, LLMEngine, PromptType, StepOutput
 from engine.request import AdapterRef, RequestStatus
 from wire.errors import ErrorCode, RequestError
 from wire.protocol import GenerateDelta
-from wire.sampling import SamplingParams
+from wire.sampling import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,9 @@ class AsyncLLM:
                 self.engine.add_request(request_id, prompt, params, priority=priority, adapter=adapter,
                                         cache_salt=cache_salt)
             except ValueError as e:  # refused: the engine's reason names what is wrong with the request
-                self._deliver(request_id, RequestError(ErrorCode.INVALID_REQUEST, str(e), request_id=request_id))
+                param = e.param if isinstance(e, InvalidSamplingParams) else None
+                self._deliver(request_id, RequestError(ErrorCode.INVALID_REQUEST, str(e), param=param,
+                                                       request_id=request_id))
             except Exception:  # a fault of the engine, not of the request: keep serving
                 log.exception("adding request %s failed", request_id)
                 self._deliver(request_id, RequestError(ErrorCode.ENGINE_ERROR, request_id=request_id))

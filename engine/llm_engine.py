@@ -43,6 +43,7 @@ class EngineStats:
     lora_host_loads: int = 0  # adapter directories read into host memory (first loads and reloads)
     lora_host_evictions: int = 0
     lora_resident_adapters: tuple[str, ...] = ()  # names of the adapters now in device slots
+    weight_bytes: int = 0  # resident bytes of the model's weights (quantized weights count packed)
 
 
 class LLMEngine:
@@ -195,6 +196,7 @@ class LLMEngine:
             lora_host_loads=self.lora.host.stats.host_loads,
             lora_host_evictions=self.lora.host.stats.host_evictions,
             lora_resident_adapters=tuple(ref.name for ref in self.lora.resident_adapters()),
+            weight_bytes=self.runner.weight_bytes,
         )
 
     # ----- adapters ---------------------------------------------------------------------------------

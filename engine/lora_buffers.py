@@ -13,7 +13,7 @@ import torch
 from adapters.lora_adapter import LoRAAdapter
 from engine.config import ModelConfig
 from engine.plan import BatchPlan
-from kernels.lora import add_lora, add_lora_ref
+from kernels.lora import add_lora
 from kernels.lora_meta import NO_ADAPTER, LoRABatchMeta
 from kernels.lora_weights import LoRAStackedWeights
 
@@ -24,9 +24,6 @@ GROUP_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-# CPU dispatch: gather per token when slots average fewer tokens than this, and the batch is small.
-GATHER_MIN_TOKENS_PER_SLOT = 4
-GATHER_MAX_TOKENS = 256
 
 
 class LoRAStepContext:
@@ -34,21 +31,13 @@ class LoRAStepContext:
 
     def __init__(self, buffers: LoRADeviceBuffers, meta: LoRABatchMeta) -> None:
         self._buffers = buffers
-        self.meta = meta
-        # NOTE: on CPU the grouped path runs two matmuls per slot and slice; with about one token per slot
-        # (decode) gathering each token's factors is far cheaper. The Triton path decides for itself.
-        self._gather_per_token = meta.device.type == "cpu" and meta.num_tokens < GATHER_MAX_TOKENS and \
-            meta.num_tokens < GATHER_MIN_TOKENS_PER_SLOT * len(meta.active_slots)
+        self.meta = meta  # NOTE: how to batch the slots' work (CPU strategies, Triton) is kernels.lora's choice
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each token's adapter delta for `group` of `layer`, in place (see kernels.lora.add_lora)."""
         if not self._buffers.is_adapted(layer, group, self.meta.active_slots):
             return
-        weights = self._buffers.weights[layer][group]
-        if self._gather_per_token:
-            add_lora_ref(y, x, weights, self.meta.token_slots)
-        else:
-            add_lora(y, x, weights, self.meta)
+        add_lora(y, x, self._buffers.weights[layer][group], self.meta)
 
 
 class LoRADeviceBuffers:

@@ -1,4 +1,4 @@
-"""Turn logits into tokens: penalties, grammar masks, temperature, top-k/top-p/min-p, seeded sampling.
+"""Turn logits into tokens: penalties and logit bias, grammar masks, temperature, top-k/top-p/min-p, seeded sampling.
 
 Rows are independent: a seeded request draws its randomness from its own generator, so it produces the
 same tokens alone or inside any batch. Sampling uses the exponential race (argmax of p / E with
@@ -68,13 +68,17 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         rows_to_fix = [i for i, r in enumerate(rows)
-                       if r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens]
+                       if r.params.needs_penalties or r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens]
         if not rows_to_fix:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
         for i in rows_to_fix:
             row, p = rows[i], rows[i].params
+            if p.logit_bias:  # NOTE: before the grammar mask: a bias never allows what the grammar forbids
+                ids = [t for t, _ in p.logit_bias if t < vocab]
+                biases = [b for t, b in p.logit_bias if t < vocab]
+                logits[i, ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
             if len(row.output_token_ids) < p.min_tokens:
                 stops = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
                 logits[i, stops] = float("-inf")

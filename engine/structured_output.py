@@ -13,6 +13,7 @@ the request with "stop" once the automaton is complete; `guard` then validates e
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,9 @@ from grammar import (
     allocate_bitmask,
     fill_bitmasks,
 )
-from wire.sampling import SamplingParams
+from grammar.tool_calls import ToolCallsSpec, ToolEntry
+from tokenization.tool_formats import tool_format
+from wire.sampling import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,13 @@ log = logging.getLogger(__name__)
 GUARD_ERROR = "internal error: the constrained output did not validate against the requested schema"
 
 
-def spec_for(params: SamplingParams) -> GrammarSpec | None:
-    """The grammar a request asks for, or None. Raises GrammarError for an invalid spec."""
+def spec_for(params: SamplingParams, special_tokens: Mapping[str, int] | None = None) -> GrammarSpec | None:
+    """The grammar a request asks for, or None. Raises GrammarError for an invalid spec.
+
+    `special_tokens` (text → id) lets a tool call grammar write its format's special-token markers
+    (`<|python_tag|>`, `[TOOL_CALLS]`) as those tokens."""
+    if params.tool_calls is not None:
+        return tool_calls_spec(params, special_tokens or {})
     if params.json_schema is not None:
         return GrammarSpec.json_schema(params.json_schema)
     if params.json_object:
@@ -51,6 +59,27 @@ def spec_for(params: SamplingParams) -> GrammarSpec | None:
     if params.choice is not None:
         return GrammarSpec.choice(list(params.choice))
     return None
+
+
+def tool_calls_spec(params: SamplingParams, special_tokens: Mapping[str, int]) -> GrammarSpec:
+    """The "tool_calls" grammar of a request: its constraint, the answer schema of auto mode (json_schema
+    or json_object), and the vocabulary's special tokens that the format's markers use."""
+    constraint = params.tool_calls
+    assert constraint is not None
+    try:
+        fmt = tool_format(constraint.format)
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
+    answer = None
+    if params.json_schema is not None:
+        answer = GrammarSpec.json_schema(params.json_schema).schema()
+    elif params.json_object:
+        answer = GrammarSpec.json_object().schema()
+    markup = fmt.trigger + fmt.open + fmt.separator + fmt.close
+    spec = ToolCallsSpec(fmt.name, tuple(ToolEntry(t.index, t.name, t.parameters) for t in constraint.tools),
+                         constraint.mode, constraint.parallel, answer,
+                         {text: i for text, i in special_tokens.items() if text in markup})
+    return GrammarSpec.tool_calls(spec.to_json())
 
 
 @dataclass
@@ -65,6 +94,7 @@ class StructuredOutputManager:
     def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...], backend: str | None = None) -> None:
         info = TokenizerInfo.from_file(model_dir, eos_token_ids=list(eos_token_ids))
         self.tokenizer_info = info
+        self.special_tokens = _special_tokens(model_dir)  # text -> id, for tool call markers
         self.guard_stats = GuardStats()
         self.vocab_size = info.vocab_size
         self.compiler = GrammarCompiler(info, backend=backend or DEFAULT_BACKEND)
@@ -72,11 +102,16 @@ class StructuredOutputManager:
         self._bitmask = allocate_bitmask(8, self.vocab_size)
 
     def submit(self, req: Request) -> None:
-        """Start compiling req's grammar. Raises GrammarError (a ValueError) if the spec is refused."""
-        spec = spec_for(req.sampling_params)
-        if spec is None:
-            return
-        self._pending[req.request_id] = (req, self.compiler.submit(spec))
+        """Start compiling req's grammar. Raises InvalidSamplingParams (a ValueError) naming the body's
+        param ("response_format", "tools[i].function.parameters") if the spec is refused."""
+        try:
+            spec = spec_for(req.sampling_params, self.special_tokens)
+            if spec is None:
+                return
+            future = self.compiler.submit(spec)
+        except GrammarError as e:
+            raise InvalidSamplingParams(_refused_param(req.sampling_params, str(e)), str(e)) from None
+        self._pending[req.request_id] = (req, future)
 
     def admission_gate(self, req: Request, active_slots: set[int]) -> int | None:
         """Scheduler gate: a constrained request waits (None) until `poll` attached its matcher. Only looks."""
@@ -140,6 +175,9 @@ class StructuredOutputManager:
                                                           or ids[-1] in req.sampling_params.stop_token_ids):
             ids.pop()
         pieces = [info.token_bytes[i] if 0 <= i < info.vocab_size else None for i in ids]
+        if req.sampling_params.tool_calls is not None:  # its format's markers may be special tokens
+            names = {i: t.encode() for t, i in self.special_tokens.items()}
+            pieces = [names.get(i) if p is None else p for i, p in zip(ids, pieces, strict=True)]
         if any(p is None for p in pieces):
             return "the output holds a special token"
         try:
@@ -150,3 +188,20 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+
+
+def _special_tokens(model_dir: str | Path) -> dict[str, int]:
+    """The vocabulary's special added tokens, by their text."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return {t.content: int(i) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
+def _refused_param(params: SamplingParams, message: str) -> str:
+    """The body param a refused grammar came from: a tool's parameters (its message starts with the
+    param), or response_format."""
+    head = message.split(":", 1)[0]
+    if params.tool_calls is not None and head.startswith("tools[") and head.endswith("].function.parameters"):
+        return head
+    return "response_format"

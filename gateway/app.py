@@ -21,15 +21,14 @@ from starlette.routing import Route
 
 from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig
 from gateway.adapters.resolver import ModelResolver
-from gateway.adapters.routes import AdapterApi, UploadBodySizeLimit
-from gateway.admin.dashboard import KeylessPagesBackend
+from gateway.adapters.routes import AdapterApi, upload_body_limit
 from gateway.admin.dashboard import routes as dashboard_routes
 from gateway.admin.routes import routes as admin_routes
 from gateway.admission.base import RequestAdmission, StoreUsageReporter, UsageReporter
 from gateway.admission.instrumented import InstrumentedAdmission
-from gateway.auth.backend import ApiKeyBackend, on_auth_error
+from gateway.auth.backend import ApiKeyBackend, KeylessPagesBackend, on_auth_error
 from gateway.http.errors import ApiError, error_body
-from gateway.http.middleware import ErrorGuardMiddleware, RequestIdMiddleware
+from gateway.http.middleware import ErrorGuardMiddleware, RequestIdMiddleware, RouteBodySizeLimit
 from gateway.observability.telemetry import TELEMETRY_STATE_KEY, Telemetry, TelemetryMiddleware
 from gateway.observability.tracing import TracedAuthBackend
 from gateway.openai.routes import routes as openai_routes
@@ -59,6 +58,7 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
         config=config, store=store, engine=engine, tokenizer=tokenizer,
         resolver=ModelResolver(store, config.served_model_name, int(time.time())),
         admission=instrumented, usage=usage or StoreUsageReporter(store),
+        tool_calling=tokenizer.tool_calling(config.tool_call_parser),  # logs a warning for a template without tools
     )
 
     @contextlib.asynccontextmanager
@@ -100,8 +100,8 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
             Middleware(RequestIdMiddleware),
             Middleware(TelemetryMiddleware, telemetry=telemetry),
             Middleware(ErrorGuardMiddleware),
-            Middleware(UploadBodySizeLimit, max_bytes=config.max_body_bytes,
-                       upload_max_bytes=adapter_uploads.max_upload_bytes if adapter_uploads else 0),
+            Middleware(RouteBodySizeLimit, max_bytes=config.max_body_bytes,
+                       per_route=upload_body_limit(adapter_uploads.max_upload_bytes) if adapter_uploads else {}),
             Middleware(AuthenticationMiddleware, on_error=on_auth_error, backend=TracedAuthBackend(
                 KeylessPagesBackend(ApiKeyBackend(store), telemetry.config.metrics_public), telemetry.tracer)),
         ],

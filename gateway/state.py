@@ -10,6 +10,7 @@ from gateway.admission.base import RequestAdmission, UsageReporter
 from gateway.store import Store
 from gateway.workers.client import EngineClient
 from tokenization.tokenizer import Tokenizer
+from tokenization.tool_formats import ToolCalling, tool_format
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -21,10 +22,13 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 256  # chat requests without max_tokens / max_completion_tokens
     default_completion_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
+    tool_call_parser: str | None = None  # the operator's --tool-call-parser (default: the template's format)
 
     def __post_init__(self) -> None:
         if not self.served_model_name or "@" in self.served_model_name:
             raise ValueError(f"served_model_name must be non-empty and contain no '@', got {self.served_model_name!r}")
+        if self.tool_call_parser is not None:
+            tool_format(self.tool_call_parser)  # ValueError naming the known ones
         for name in ("max_body_bytes", "default_max_tokens", "default_completion_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -39,6 +43,7 @@ class GatewayState:
     resolver: ModelResolver
     admission: RequestAdmission
     usage: UsageReporter
+    tool_calling: ToolCalling  # the served model's tool call format (tokenization/tool_formats.py)
 
     @property
     def adapter_root(self) -> Path:

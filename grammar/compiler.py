@@ -9,6 +9,7 @@ message names the problem (and the JSON pointer for schemas).
 from __future__ import annotations
 
 import heapq
+import json
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -24,6 +25,7 @@ from grammar.normalize import NormalizedSchema, normalize_schema
 from grammar.outlines_backend import OutlinesBackend
 from grammar.spec import GrammarError, GrammarSpec
 from grammar.tokenizer_info import TokenizerInfo
+from grammar.tool_calls import ToolCallGuard, ToolCallsSpec, normalize_tool_calls
 
 BACKENDS: dict[str, type[GrammarBackend]] = {"llguidance": LLGuidanceBackend, "outlines": OutlinesBackend}
 # Chosen by measurement (bench/grammar.py): fastest cold compile and the widest strict coverage.
@@ -90,6 +92,9 @@ class GrammarCompiler:
                                f"{self.limits.max_spec_chars} (GrammarLimits.max_spec_chars)")
         if spec.kind in ("json_schema", "json_object"):
             return normalize_schema(spec.schema(), self.backend, self.limits, self.allow_approximate)
+        if spec.kind == "tool_calls":  # every tool's schema under the same strictness as json_schema
+            return normalize_tool_calls(ToolCallsSpec.from_json(json.loads(spec.value)),
+                                        lambda s: normalize_schema(s, self.backend, self.limits, self.allow_approximate))
         if spec.kind == "regex":
             # Both backends take Rust regex syntax; llguidance's parser checks it in about a millisecond.
             error = rust_regex_error(spec.value)
@@ -100,7 +105,7 @@ class GrammarCompiler:
     def _build(self, spec: GrammarSpec, normalized: NormalizedSchema | None) -> CompiledGrammar:
         """Pool thread: compile, attach the output guard and the normalization report."""
         compiled = self.backend.compile(spec, None if normalized is None else normalized.schema)
-        compiled.guard = OutputGuard(spec)
+        compiled.guard = ToolCallGuard(spec) if spec.kind == "tool_calls" else OutputGuard(spec)
         compiled.report = None if normalized is None else normalized.report
         return compiled
 

@@ -20,6 +20,7 @@ import torch
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
 from grammar.spec import GrammarError, GrammarSpec, canonical_json
 from grammar.tokenizer_info import TokenizerInfo
+from grammar.tool_calls import tool_calls_lark
 
 _SPECIAL_MARKER = b"\xff"
 
@@ -137,6 +138,8 @@ class LLGuidanceBackend(GrammarBackend):
         if spec.kind in ("json_schema", "json_object"):
             text = spec.value if schema is None else canonical_json(schema)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+        elif spec.kind == "tool_calls":
+            grammar = llguidance.LLMatcher.grammar_from_lark(tool_calls_lark(spec, schema))
         else:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.as_regex())
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits())

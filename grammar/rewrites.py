@@ -290,9 +290,9 @@ def negate(n: Normalizer, raw: Any, where: str, base: str, depth: int = 0,
             if isinstance(value, bool):
                 continue  # draft-04 flag: read with its bound below
             flipped, delta = _FLIP[key]
-            if n.dialect == "draft4" and key in ("minimum", "maximum"):
-                if raw.get("exclusiveMinimum" if low else "exclusiveMaximum") is True:
-                    flipped = "maximum" if low else "minimum"
+            if (n.dialect == "draft4" and key in ("minimum", "maximum")
+                    and raw.get("exclusiveMinimum" if low else "exclusiveMaximum") is True):
+                flipped = "maximum" if low else "minimum"
             bound = value + delta
             if delta < 0 and bound < 0:
                 branches.append(False)

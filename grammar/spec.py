@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
-GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice")
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "tool_calls"]
+GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "tool_calls")
 
 # The schema a json_object request compiles to: any JSON object, nothing else.
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
@@ -37,7 +37,8 @@ class GrammarSpec:
 
     kind: "json_schema" (value: canonical JSON text of the schema), "json_object" (value: the
     any-object schema), "regex" (value: the pattern, matched against the whole output) or "choice"
-    (value: canonical JSON list of the distinct options, sorted).
+    (value: canonical JSON list of the distinct options, sorted), "tool_calls" (value: canonical JSON of a
+    grammar.tool_calls.ToolCallsSpec: format, tools, mode, answer schema).
     """
 
     kind: GrammarKind
@@ -86,6 +87,14 @@ class GrammarSpec:
             if not isinstance(option, str) or not option:
                 raise GrammarError(f"choice options must be non-empty strings, got {option!r}")
         return cls("choice", canonical_json(sorted(set(options))))
+
+    @classmethod
+    def tool_calls(cls, spec: dict) -> GrammarSpec:
+        """Tool calls in a model's call format (`spec` is a ToolCallsSpec's JSON; grammar/tool_calls.py)."""
+        try:
+            return cls("tool_calls", canonical_json(spec))
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"tool_calls is not serialisable as JSON: {e}") from None
 
     def schema(self) -> dict:
         """The schema as a dict (json_schema and json_object kinds only)."""

@@ -24,12 +24,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from grammar.spec import GrammarError, escape_regex_literal
+import jsonschema
+
+from grammar.guard import OutputGuard, schema_validator
+from grammar.spec import GrammarError, GrammarSpec, escape_regex_literal
 from tokenization.tool_formats import ToolCallFormat, tool_format
 from tokenization.tool_parser import parse_tool_calls
 
 if TYPE_CHECKING:
-    from grammar.normalize import NormalizedSchema
+    from grammar.normalize import NormalizedSchema, NormalizeReport
 
 # How call JSON is written: like json.dumps, the way chat templates render calls (`tojson`).
 CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
@@ -95,74 +98,94 @@ class ToolCallsSpec:
                                 self.mode, self.parallel, self.special_ids, answer)
 
 
-def normalize_tools(spec: ToolCallsSpec, normalize: Callable[[dict], NormalizedSchema]
-                    ) -> tuple[list[NormalizedSchema], NormalizedSchema | None]:
-    """Every tool's parameters (and the answer schema) through `normalize`, the same strictness as
-    response_format. Raises GrammarError whose message starts with the param of the refused schema."""
-    out = []
+def normalize_tool_calls(spec: ToolCallsSpec, normalize: Callable[[dict], NormalizedSchema]) -> NormalizedSchema:
+    """Every tool's parameters (and the answer schema) through `normalize`: the strictness of
+    response_format. Raises GrammarError whose message starts with the param of the refused schema.
+    Returns {"tools": [normalized schema per tool], "answer": normalized answer or None} and the merged
+    report."""
+    from grammar.normalize import NormalizedSchema, NormalizeReport
+
+    report = NormalizeReport()
+    schemas = []
     for tool in spec.tools:
         try:
-            out.append(normalize(tool.schema))
+            done = normalize(tool.schema)
         except GrammarError as e:
             raise GrammarError(f"tools[{tool.index}].function.parameters: {e}") from None
+        schemas.append(done.schema)
+        _merge(report, done.report)
     answer = None
-    if spec.answer_schema is not None:
+    if spec.answer_schema is not None and spec.mode == "auto":
         try:
-            answer = normalize(spec.answer_schema)
+            done = normalize(spec.answer_schema)
         except GrammarError as e:
             raise GrammarError(f"response_format: {e}") from None
-    return out, answer
+        answer = done.schema
+        _merge(report, done.report)
+    return NormalizedSchema({"tools": schemas, "answer": answer}, report)
 
 
-class ToolCallGuard:
+def _merge(into: NormalizeReport, report: NormalizeReport) -> None:
+    into.ignored_formats.update(report.ignored_formats)
+    into.approximations.update(report.approximations)
+    into.rewrites.update(report.rewrites)
+
+
+def tool_calls_lark(spec: GrammarSpec, normalized: dict | None) -> str:
+    """The Lark grammar of a "tool_calls" spec, with its schemas as normalized (`normalized`, from
+    normalize_tool_calls) or as given."""
+    calls = ToolCallsSpec.from_json(json.loads(spec.value))
+    if normalized is None:
+        normalized = {"tools": [t.schema for t in calls.tools], "answer": calls.answer_schema}
+    answer = normalized["answer"] if calls.mode == "auto" else None
+    return tool_call_lark(calls.grammar_input(normalized["tools"], answer))
+
+
+class ToolCallGuard(OutputGuard):
     """Validates finished tool-call outputs: the text parses into calls (the format's parser), each names
-    an allowed tool, its arguments validate against that tool's own schema (python-jsonschema), calls
-    are at least one in required mode and exactly one without parallel calls; text without calls (auto)
-    validates against the answer schema when there is one. Same interface as OutputGuard."""
+    an allowed tool, its arguments validate against that tool's own schema (python-jsonschema, the
+    schema as the request sent it), calls are at least one in required mode and exactly one without
+    parallel calls; an auto answer without calls validates against the answer schema if there is one."""
 
-    kind = "tool_calls"
-
-    def __init__(self, spec: ToolCallsSpec, digest: str) -> None:
-        from grammar.guard import schema_validator
-
-        self.spec = spec
-        self.digest = digest
-        self.format = tool_format(spec.format)
-        self._validators = {t.name: schema_validator(t.schema) for t in spec.tools}
-        self._answer = schema_validator(spec.answer_schema) if spec.answer_schema is not None else None
+    def __init__(self, spec: GrammarSpec) -> None:
+        super().__init__(spec)
+        self.calls = ToolCallsSpec.from_json(json.loads(spec.value))
+        self.format = tool_format(self.calls.format)
+        self._validators = {t.name: schema_validator(t.schema) for t in self.calls.tools}
+        answer = self.calls.answer_schema if self.calls.mode == "auto" else None
+        self._answer = schema_validator(answer) if answer is not None else None
 
     def check(self, text: str) -> str | None:
         parsed = parse_tool_calls(self.format, text)
         if not parsed.calls:
-            if self.spec.mode == "required":
+            if self.calls.mode == "required":
                 return "the output holds no tool call"
-            return self._validate(self._answer, parsed.content, "the answer") if self._answer else None
-        if parsed.content and self._answer is not None:
-            return "the output has text besides its calls"
-        if not self.spec.parallel and len(parsed.calls) != 1:
+            return _validate(self._answer, parsed.content, "the answer") if self._answer else None
+        if not self.calls.parallel and len(parsed.calls) != 1:
             return f"the output holds {len(parsed.calls)} calls, one was allowed"
         for i, call in enumerate(parsed.calls):
             validator = self._validators.get(call.name)
             if validator is None:
                 return f"call {i} names a tool that was not allowed"
-            problem = self._validate(validator, call.arguments, f"call {i}'s arguments")
+            problem = _validate(validator, call.arguments, f"call {i}'s arguments")
             if problem:
                 return problem
         return None
 
-    @staticmethod
-    def _validate(validator: Any, text: str, what: str) -> str | None:
-        import jsonschema
 
-        try:
-            instance = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            return f"{what} are not valid JSON ({type(e).__name__})"
+def _validate(validator: Any, text: str, what: str) -> str | None:
+    try:
+        instance = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        return f"{what} are not valid JSON ({type(e).__name__})"
+    try:
         error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
-        if error is None:
-            return None
-        path = "/".join(str(p) for p in error.absolute_path)
-        return f"{what} fail the schema at /{path}: keyword {error.validator!r}"
+    except RecursionError:
+        return f"{what} nest too deeply to validate"
+    if error is None:
+        return None
+    path = "/".join(str(p) for p in error.absolute_path)
+    return f"{what} fail the schema at /{path}: keyword {error.validator!r}"
 
 
 def tool_call_lark(spec: ToolGrammarInput) -> str:

@@ -287,8 +287,8 @@ def compile_variants() -> list[KernelVariant]:
     kernels.triton_aot. GROUP and HEAD_DIM are compiled at their tiles' full size (no masked lanes).
 
     Sliding-window variants repeat each launch config with a few more integer ops; the default suite
-    compiles them in bf16 (the serving dtype; fp16 has produced the same registers in every config), the
-    full sweep in every dtype.
+    compiles them in bf16 only (the serving dtype; fp16 has needed the same shared memory and registers
+    within a dozen of bf16's in every config), the full sweep in every dtype.
     """
     data = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")
     variants = []

@@ -5,8 +5,8 @@ The model calls one op per (fused) projection and layer:
     y = base_linear(x)                      # (T, out_features), e.g. fused q|k|v
     add_lora(y, x, weights, meta)           # y[t] += LoRA delta of slot meta.token_slots[t]
 
-Dispatch: Triton kernels (kernels.lora_triton) for CUDA tensors, the CPU path (kernels.lora_cpu: by slot
-or packed, chosen per batch by measurement) otherwise. The `*_ref` functions are the per-token torch
+Dispatch: Triton kernels (kernels.lora_triton) for CUDA tensors, the CPU path (kernels.lora_cpu: by slot,
+packed or stacked, chosen per batch by a measured rule) otherwise. The `*_ref` functions are the per-token torch
 reference twins the tests compare both against; they gather every token's padded factors and are slow by
 design, so nothing outside the tests should call them.
 """

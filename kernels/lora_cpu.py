@@ -275,6 +275,7 @@ def _add_slot(y: torch.Tensor, x: torch.Tensor, weights: LoRAStackedWeights, slo
     ranks, scaling = _host_ranks_and_scaling(weights)
     slot_ranks, rank_stride = ranks[slot], weights.max_rank
     x_rows = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)  # (T_s, H_in)
+    shrunk: list[torch.Tensor | None]
     if min(slot_ranks) == rank_stride:  # no padding: the slot's stacked A is one contiguous matrix
         full = x_rows @ weights.lora_a[slot].T  # (T_s, num_slices * R)
         shrunk = [full[:, i * rank_stride : (i + 1) * rank_stride] for i in range(weights.num_slices)]

@@ -24,21 +24,21 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from policies.budget_period import BudgetPeriods
 from policies.ledger_writer import GroupCommitLedger, LedgerWriteFailed
 from policies.quota import (
     Admission,
+    BudgetPeriods,
     Lease,
     QuotaBackend,
     QuotaConfig,
     QuotaUnavailable,
     RateLimitSnapshot,
     TenantUsage,
+    TokenBucket,
     choose_refusal,
     refusal_message,
 )
 from policies.tenant_policy import TenantPolicy
-from policies.token_bucket import TokenBucket
 from policies.usage_ledger import UsageLedger
 
 

@@ -10,7 +10,7 @@ One request's life against a QuotaBackend:
 Semantics of admit (atomic per tenant, across every replica sharing the backend):
     reservation R = prompt_tokens + max_tokens (must be <= policy.max_tokens_per_request, else RequestTooLarge)
     granted iff  budgets:      day_used + R <= daily_token_budget and month_used + R <= monthly_token_budget
-                 rate:         requests bucket holds >= 1 and tokens bucket holds >= R (policies.token_bucket)
+                 rate:         requests bucket holds >= 1 and tokens bucket holds >= R (policies.quota)
                  concurrency:  live leases < max_concurrent_requests (expired leases do not count)
     on grant: take 1 request, R tokens, book R to the day and month budgets, add a lease expiring after ttl.
     on refusal: nothing changes. The refusal reason is the first failing group in the order above
@@ -27,8 +27,10 @@ buckets and leases, so replicas with skewed clocks still agree).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
 from policies.tenant_policy import TenantPolicy
@@ -202,3 +204,96 @@ def choose_refusal(budget_day_fails: bool, budget_month_fails: bool, seconds_to_
     if concurrency_full:
         return RefusalReason.CONCURRENCY, concurrency_retry_after_s
     return None
+
+
+SECONDS_PER_MINUTE = 60.0
+
+
+@dataclass
+class TokenBucket:
+    """The token bucket both quota backends share (the Redis Lua scripts implement the same arithmetic).
+
+    Semantics:
+        capacity  C = the per-minute limit;  rate r = C / 60 per second;  a new bucket starts full (level = C).
+        refill:   level(now) = min(C, level(ts) + (now - ts) * r)        (time never runs backwards: now >= ts)
+        take n:   allowed iff level(now) >= n; then level -= n            (all-or-nothing)
+        give n:   level = min(C, level + n)    (reconcile refund);  debt: level may go down to -C on a surcharge
+        wait(n):  (n - level) / r seconds until n could be taken (0 if it can now)
+        reset:    (C - level) / r seconds until the bucket is full again  (OpenAI's x-ratelimit-reset-*)
+        remaining: floor(max(level, 0))
+
+        Hence k requests of cost 1 arriving within a span of d seconds against a full bucket are admitted
+        exactly min(k, C + floor(d * r)) times; e.g. 90 requests within 2 s at 30/min: exactly 30.
+    """
+
+    """Mutable bucket state. `level` and `updated_at` are what the Redis hash stores."""
+
+    capacity: int
+    level: float
+    updated_at: float
+
+    @classmethod
+    def full(cls, capacity: int, now: float) -> TokenBucket:
+        if capacity < 1:
+            raise ValueError(f"bucket capacity must be >= 1, got {capacity}")
+        return cls(capacity=capacity, level=float(capacity), updated_at=now)
+
+    @property
+    def rate_per_second(self) -> float:
+        return self.capacity / SECONDS_PER_MINUTE
+
+    def refill(self, now: float, capacity: int) -> None:
+        """Advance to `now` under a (possibly changed) capacity. Mutates level, updated_at, capacity."""
+        self.capacity = capacity
+        elapsed = max(0.0, now - self.updated_at)
+        self.level = min(float(capacity), self.level + elapsed * self.rate_per_second)
+        self.updated_at = max(self.updated_at, now)
+
+    def can_take(self, amount: int) -> bool:
+        return self.level >= amount
+
+    def take(self, amount: int) -> None:
+        if not self.can_take(amount):
+            raise ValueError(f"bucket holds {self.level:.3f}, cannot take {amount}")
+        self.level -= amount
+
+    def adjust(self, refund: int) -> None:
+        """Give back `refund` (negative = surcharge). Level stays within [-capacity, capacity]."""
+        self.level = max(-float(self.capacity), min(float(self.capacity), self.level + refund))
+
+    def wait_seconds(self, amount: int) -> float:
+        return max(0.0, (amount - self.level) / self.rate_per_second)
+
+    def reset_seconds(self) -> float:
+        return max(0.0, (self.capacity - self.level) / self.rate_per_second)
+
+    def remaining(self) -> int:
+        return max(0, math.floor(self.level))
+
+
+@dataclass(frozen=True)
+class BudgetPeriods:
+    """UTC budget periods: the key a token count is booked under and the time until the period ends.
+    """
+
+    """The day and month a moment falls in, as storage keys, and seconds until each one ends."""
+
+    day: str  # "d:2025-01-31"
+    month: str  # "m:2025-01"
+    seconds_to_day_end: float
+    seconds_to_month_end: float
+
+    @classmethod
+    def at(cls, now: float) -> BudgetPeriods:
+        """Periods containing the unix time `now` (UTC calendar)."""
+        moment = datetime.fromtimestamp(now, tz=UTC)
+        day_start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+        next_day = day_start + timedelta(days=1)
+        month_start = day_start.replace(day=1)
+        next_month = (month_start + timedelta(days=32)).replace(day=1)
+        return cls(
+            day=f"d:{moment:%Y-%m-%d}",
+            month=f"m:{moment:%Y-%m}",
+            seconds_to_day_end=next_day.timestamp() - now,
+            seconds_to_month_end=next_month.timestamp() - now,
+        )

@@ -25,19 +25,19 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from policies import redis_scripts
-from policies.budget_period import BudgetPeriods
 from policies.quota import (
     Admission,
+    BudgetPeriods,
     Lease,
     QuotaBackend,
     QuotaConfig,
     RateLimitSnapshot,
     RefusalReason,
     TenantUsage,
+    TokenBucket,
     refusal_message,
 )
 from policies.tenant_policy import TenantPolicy
-from policies.token_bucket import TokenBucket
 
 DAY_KEY_GRACE_S = 8 * 86_400
 MONTH_KEY_GRACE_S = 35 * 86_400

@@ -1,6 +1,6 @@
 """Lua scripts of the Redis quota backend: one script per operation, so each runs atomically in Redis.
 
-The bucket arithmetic is policies.token_bucket's; the refusal order is policies.quota.choose_refusal's.
+The bucket arithmetic is policies.quota's; the refusal order is policies.quota.choose_refusal's.
 All keys of one call share the tenant's hash tag, so the scripts also run on Redis Cluster.
 Numbers cross the Lua boundary as strings (Redis truncates Lua numbers to integers on return).
 Time: ARGV[1] is unix seconds, or '' to use the Redis server clock (one clock for every replica).

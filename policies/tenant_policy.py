@@ -9,7 +9,7 @@ with the same `InvalidPolicy` naming the field at fault.
 Semantics:
     requests_per_minute / tokens_per_minute
         Token buckets of capacity = the per-minute limit, refilled continuously at limit / 60 per second,
-        starting full (see `policies.token_bucket`). A request costs 1 request and
+        starting full (see `policies.quota`). A request costs 1 request and
         `prompt_tokens + max_tokens` tokens at admission; the token charge is reconciled with the true
         total when the request ends.
     max_concurrent_requests

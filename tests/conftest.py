@@ -28,6 +28,18 @@ def tokenizer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def styled_tokenizer_dirs(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                          ) -> dict[tuple[str, str], Path]:
+    """{(tokenizer kind, chat style): tokenizer dir} for both kinds and every style of demo/chat_styles.py
+    (the trained tokenizers plus the style's markup tokens, template, BOS and EOS)."""
+    from demo.chat_styles import CHAT_STYLES, with_chat_style
+
+    root = tmp_path_factory.mktemp("styled-tokenizers")
+    return {(kind, style): with_chat_style(src, root / f"{kind}-{style}", style)
+            for kind, src in tokenizer_dirs.items() for style in CHAT_STYLES}
+
+
+@pytest.fixture(scope="session")
 def make_model(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dirs: dict[str, Path]
 ) -> Callable[..., Path]:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tokenization.chat_template import ChatTemplate, ChatTemplateError, find_chat_template
 from tokenization.control_tokens import ControlTokens
+from tokenization.tool_formats import ToolCalling, resolve_tool_calling
 from wire.checkpoint import CheckpointError
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
@@ -139,6 +140,15 @@ class Tokenizer:
         tools = kwargs.pop("tools", None)
         return self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                 template_kwargs=kwargs)
+
+    def tool_calling(self, override: str | None = None) -> ToolCalling:
+        """How this model does tool calls: `override` (a format name, the operator's --tool-call-parser), or
+        the format its template's markup shows, or the default; logs a warning when the template shows no
+        tools. Raises ValueError for an unknown format name."""
+        template = self.chat_template
+        if template is None:
+            return resolve_tool_calling(None, False, override)
+        return resolve_tool_calling(template.literal_text(), template.renders_tools(), override)
 
     def _render_marked(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None) -> str:

@@ -8,7 +8,8 @@ back, so content never shows a trigger or half a call. `parse_tool_calls` runs t
 whole text, so a streamed answer assembled piece by piece equals the non-streamed one.
 
 What follows a trigger but turns out not to be a call (no name, not an object) goes back to content as
-it was written; a call cut short (max_tokens) keeps the arguments it got, as OpenAI's do.
+it was written; a call cut short (max_tokens) keeps the arguments it got, as OpenAI's do, and one cut
+before its name is dropped.
 """
 
 from __future__ import annotations
@@ -267,13 +268,11 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> list[Event]:
+        """The text ended. A call cut short keeps what it got once named; one cut before its name, or a
+        trigger with nothing after it, is dropped: it is half a call, not content."""
         self._run(final=True)
         if self.mode == "call" and self.call is not None:
             self.call.close()
-            if not self.call.started:
-                self._give_back()
-        elif self.mode == "atoms":
-            self._give_back()
         if self.mode == "content" and self.pos < len(self.buf):
             self.events.append(ContentDelta(self.buf[self.pos :]))
         self.buf, self.pos, self.mode = "", 0, "content"
@@ -342,8 +341,8 @@ class ToolCallParser:
             self.pos, self.atoms = i + len(atom), self.atoms[1:]
             if not self.atoms:
                 self.mode, self.call = "call", _CallObject(self.num_calls, self.events)
-        elif not final and atom.startswith(rest):
-            return
+        elif atom.startswith(rest):
+            return  # more may come; at the end, finish drops it
         else:
             self._give_back()
 

@@ -202,6 +202,7 @@ class WorkerState:
     model: str
     adapter_loads: int = 0  # adapters copied into a device slot since the worker started
     adapter_evictions: int = 0  # resident adapters replaced to make room since the worker started
+    weight_bytes: int = 0  # resident bytes of the base model's weights (packed when quantized)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,6 +14,9 @@ from typing import Any
 MAX_N = 16  # samples per request
 MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20  # top-N logprobs per sampled token
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
+MAX_CONSTRAINED_TOOLS = 128
+TOOL_MODES = ("auto", "required")
 
 
 class InvalidSamplingParams(ValueError):
@@ -25,6 +28,55 @@ class InvalidSamplingParams(ValueError):
 
 
 @dataclass(frozen=True)
+class ConstrainedTool:
+    """A tool a call may name: its place among the request's tools (refusals name `tools[index]`), its
+    name, and the JSON schema of its arguments object."""
+
+    index: int
+    name: str
+    parameters: dict
+
+
+@dataclass(frozen=True)
+class ToolCallConstraint:
+    """The tool calls a request may produce, decoded under a grammar from the first token.
+
+    format: the call format of the served model (tokenization/tool_formats.py: hermes, llama3_json,
+    mistral); the worker refuses one it does not know. mode: "required" (calls only; a named tool_choice
+    is required with one tool) or "auto" (free text until the format's trigger, then calls). parallel:
+    more than one call allowed.
+    """
+
+    format: str
+    tools: tuple[ConstrainedTool, ...]
+    mode: str = "auto"
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        ok = (isinstance(self.format, str) and self.format and self.mode in TOOL_MODES
+              and isinstance(self.parallel, bool) and isinstance(self.tools, tuple)
+              and 0 < len(self.tools) <= MAX_CONSTRAINED_TOOLS
+              and all(isinstance(t, ConstrainedTool) and isinstance(t.name, str) and t.name
+                      and isinstance(t.parameters, dict) and isinstance(t.index, int) and not isinstance(t.index, bool)
+                      for t in self.tools))
+        if not ok:
+            raise InvalidSamplingParams("tool_calls", f"tool_calls must name a format, a mode in {TOOL_MODES} and "
+                                                      f"1..{MAX_CONSTRAINED_TOOLS} tools with object schemas")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "mode": self.mode, "parallel": self.parallel,
+                "tools": [{"index": t.index, "name": t.name, "parameters": t.parameters} for t in self.tools]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ToolCallConstraint:
+        try:
+            tools = tuple(ConstrainedTool(t["index"], t["name"], t["parameters"]) for t in data["tools"])
+            return cls(data["format"], tools, data.get("mode", "auto"), data.get("parallel", True))
+        except (KeyError, TypeError) as e:
+            raise InvalidSamplingParams("tool_calls", f"tool_calls is malformed ({type(e).__name__})") from None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction: InvalidSamplingParams (a ValueError)
     names the field. Sequences (stop, stop_token_ids, choice) are stored as tuples; numbers as given
@@ -32,7 +84,11 @@ class SamplingParams:
 
     Structured output: at most one of json_schema (a dict or JSON string), json_object (any JSON
     object), regex, choice. A constrained request ends with "stop" when its grammar is complete, or
-    "length" if max_tokens comes first.
+    "length" if max_tokens comes first. `tool_calls` constrains the calls a model makes (see
+    ToolCallConstraint); in auto mode json_schema / json_object constrain the answer that is not a call.
+
+    logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before any grammar mask (so a
+    bias never allows what the grammar forbids); given as pairs or as OpenAI's {id: bias} map.
     """
 
     n: int = 1
@@ -56,6 +112,8 @@ class SamplingParams:
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    tool_calls: ToolCallConstraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name, kind in _KINDS.items():
@@ -88,6 +146,8 @@ class SamplingParams:
         if sum(constraints) > 1:
             raise InvalidSamplingParams("json_schema", "at most one of json_schema/json_object, regex and "
                                                        "choice may be set")
+        if p.tool_calls is not None and (p.regex is not None or p.choice is not None):
+            raise InvalidSamplingParams("tool_calls", "tool_calls combine with json_schema or json_object only")
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +155,8 @@ class SamplingParams:
 
     @property
     def has_grammar(self) -> bool:
-        return self.json_schema is not None or self.json_object or self.regex is not None or self.choice is not None
+        return (self.json_schema is not None or self.json_object or self.regex is not None or self.choice is not None
+                or self.tool_calls is not None)
 
     @property
     def needs_penalties(self) -> bool:
@@ -106,7 +167,9 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            if isinstance(value, ToolCallConstraint):
+                value = value.to_json()
+            out[f.name] = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
         return out
 
     @classmethod
@@ -189,13 +252,47 @@ def _schema(name: str, value: Any) -> Any:
     return value
 
 
+def _tool_calls(name: str, value: Any) -> Any:
+    if value is None or isinstance(value, ToolCallConstraint):
+        return value
+    if isinstance(value, dict):
+        return ToolCallConstraint.from_json(value)
+    raise _wrong(name, "a ToolCallConstraint", value)
+
+
+def _logit_bias(name: str, value: Any) -> Any:
+    if isinstance(value, dict):
+        value = list(value.items())
+    if not isinstance(value, list | tuple):
+        raise _wrong(name, "a map of token ids to biases", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidSamplingParams(name, f"{name} may bias at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    pairs = []
+    for item in value:
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise _wrong(name, "(token id, bias) pairs", value)
+        token, bias = item
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidSamplingParams(name, f"{name} keys must be token ids >= 0, got {_short(token)}")
+        bias = _float(name, bias)
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidSamplingParams(name, f"{name} values must be in [-100, 100], got {bias!r}")
+        pairs.append((token, bias))
+    out = tuple(sorted(dict(pairs).items()))
+    return value if value == out else out
+
+
 _CHECKERS = {"int": _int, "int?": _optional_int, "float": _float, "bool": _bool, "str?": _optional_str,
-             "strs": _strings, "strs?": _optional_strings, "ints": _ints, "schema": _schema}
+             "strs": _strings, "strs?": _optional_strings, "ints": _ints, "schema": _schema,
+             "tools?": _tool_calls, "bias": _logit_bias}
 _KINDS: dict[str, str] = {
     "n": "int", "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float",
     "top_k": "int", "min_p": "float", "seed": "int?", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "stop": "strs", "stop_token_ids": "ints",
     "ignore_eos": "bool", "logprobs": "int?", "skip_special_tokens": "bool", "include_stop_str_in_output": "bool",
-    "json_schema": "schema", "json_object": "bool", "regex": "str?", "choice": "strs?",
+    "json_schema": "schema", "json_object": "bool", "regex": "str?", "choice": "strs?", "tool_calls": "tools?",
+    "logit_bias": "bias",
 }
 assert set(_KINDS) == {f.name for f in fields(SamplingParams)}, "every SamplingParams field has a checked type"

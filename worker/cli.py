@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from wire.engine_options import add_engine_options
 from worker.registration import HeartbeatConfig, WorkerHeartbeat
 
 SECRET_ENV = "LORAPLEX_WORKER_SECRET"
@@ -42,17 +43,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     group.add_argument("--otlp-endpoint", default=env.get("LORAPLEX_OTLP_ENDPOINT") or None,
                        help="export OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://host:4318)")
     engine = parser.add_argument_group("engine options")
-    engine.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-loras", type=int, default=8)
-    engine.add_argument("--max-lora-rank", type=int, default=64)
-    engine.add_argument("--quantization", choices=("none", "int8", "int4"), default="none",
-                        help="weight-only quantization at load: int8 per output channel, int4 group-wise "
-                             "(a GPTQ checkpoint loads as int4 either way)")
-    engine.add_argument("--quantization-group-size", type=int, default=None,
-                        help="int4 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 that fits)")
+    add_engine_options(engine)
     registration = parser.add_argument_group("registration options (worker discovery through Redis)")
     registration.add_argument("--register-redis-url", default=env.get("LORAPLEX_REGISTER_REDIS_URL") or None,
                               help="heartbeat this worker's URL and state into this Redis")

@@ -118,6 +118,7 @@ class WorkerService:
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_cache_blocks=s.prefix_cache_blocks, resident_adapters=sorted(self._adapters),
             model=self.model_name, adapter_loads=s.lora_slot_loads, adapter_evictions=s.lora_slot_evictions,
+            weight_bytes=s.weight_bytes,
         )
 
     async def _adapter_ref(self, spec: AdapterSpec) -> AdapterRef:

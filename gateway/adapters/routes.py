@@ -7,7 +7,8 @@
     DELETE /v1/adapters/{name}   -> every version deleted; new requests naming it get 404 at once
 
 Another tenant's adapter answers exactly like one that does not exist (404). Uploads have their own body
-limit (`UploadBodySizeLimit`), larger than the API's, checked while the body streams in.
+limit (`upload_body_limit()`, a `RouteBodySizeLimit` entry), larger than the API's, checked while the
+body streams in.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.adapters.registry import AdapterRegistry
 from gateway.adapters.upload_stream import UploadForm, receive_upload
 from gateway.auth.backend import TENANT_SCOPE, TenantUser, require_scope
 from gateway.http.errors import ApiError, invalid_request
-from gateway.http.middleware import BodySizeLimitMiddleware
 from gateway.store import AdapterRecord
 from gateway.store.models import check_name
 
@@ -136,16 +135,6 @@ def _audit(registry: AdapterRegistry, user: TenantUser, action: str, record: Ada
     registry.store.append_audit(user.key.id, action, f"{record.tenant_id}/{record.name}", after=after)
 
 
-class UploadBodySizeLimit:
-    """Body limit by route: `POST /v1/adapters` may carry `upload_max_bytes` (plus multipart overhead),
-    every other request `max_bytes`. Both are enforced while the body is read (BodySizeLimitMiddleware)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, upload_max_bytes: int) -> None:
-        self.default = BodySizeLimitMiddleware(app, max_bytes)
-        self.upload = BodySizeLimitMiddleware(app, max(max_bytes, upload_max_bytes + MULTIPART_OVERHEAD_BYTES))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == UPLOAD_PATH:
-            await self.upload(scope, receive, send)
-        else:
-            await self.default(scope, receive, send)
+def upload_body_limit(upload_max_bytes: int) -> dict[tuple[str, str], int]:
+    """The body limit of the upload route, for `gateway.http.middleware.RouteBodySizeLimit`."""
+    return {("POST", UPLOAD_PATH): upload_max_bytes + MULTIPART_OVERHEAD_BYTES}

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from gateway.auth.backend import ADMIN_SCOPE, require_scope
+from gateway.auth.backend import ADMIN_SCOPE, DASHBOARD_PATH, METRICS_PATH, STATIC_PREFIX, require_scope
 from gateway.http.errors import ApiError
 from gateway.observability.metrics import PROMETHEUS_CONTENT_TYPE
 from gateway.observability.telemetry import TELEMETRY_STATE_KEY
@@ -24,30 +23,6 @@ from gateway.observability.telemetry import TELEMETRY_STATE_KEY
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
                 "app.css": "text/css; charset=utf-8"}
-DASHBOARD_PATH = "/admin"
-STATIC_PREFIX = "/admin/static/"
-METRICS_PATH = "/metrics"
-
-
-def is_keyless_page(path: str, metrics_public: bool) -> bool:
-    return (path in (DASHBOARD_PATH, DASHBOARD_PATH + "/") or path.startswith(STATIC_PREFIX)
-            or (metrics_public and path == METRICS_PATH))
-
-
-class KeylessPagesBackend(AuthenticationBackend):
-    """Lets the dashboard page and assets (and a public /metrics) through when no key is presented;
-    everything else, and any presented key, goes to the inner backend."""
-
-    def __init__(self, inner: AuthenticationBackend, metrics_public: bool = False) -> None:
-        self.inner = inner
-        self.metrics_public = metrics_public
-
-    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser] | None:
-        if "authorization" not in conn.headers and is_keyless_page(conn.url.path, self.metrics_public):
-            return None
-        return await self.inner.authenticate(conn)
-
-
 def _refuse_non_admin(request: Request) -> None:
     """Anonymous callers may load pages; a caller with a key needs the admin scope (else 403)."""
     if request.user.is_authenticated:

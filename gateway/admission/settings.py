@@ -18,9 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.admission.gates import GatedAdmission
-from gateway.admission.queue import FairQueueGate
-from gateway.admission.quota import QuotaGate
+from gateway.admission.gates import FairQueueGate, GatedAdmission, QuotaGate
 from policies import (
     FailoverConfig,
     FailoverQuotaBackend,

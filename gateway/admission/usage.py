@@ -48,6 +48,7 @@ class BatchedUsageReporter:
         self.flush_interval_s = flush_interval_s
         self._clock = clock
         self._pending: dict[tuple[str, float], UsageCounts] = {}  # (tenant id, hour start) -> totals
+        self._writing: dict[tuple[str, float], UsageCounts] = {}  # the batch a flush is writing now
         self._flusher: asyncio.Task | None = None
         self._closing = asyncio.Event()
         self._closed = False
@@ -70,13 +71,18 @@ class BatchedUsageReporter:
 
     @property
     def pending_requests(self) -> int:
-        return sum(p.requests for p in self._pending.values())
+        """Requests whose usage is not written yet: pending, or in the batch a flush is writing now."""
+        return sum(p.requests for p in (*self._pending.values(), *self._writing.values()))
 
     async def flush(self) -> None:
         """Write everything pending now (on a worker thread); failed writes stay pending."""
         batch, self._pending = self._pending, {}
         if batch:
-            failed = await asyncio.to_thread(self._write, batch)
+            self._writing = batch
+            try:
+                failed = await asyncio.to_thread(self._write, batch)
+            finally:
+                self._writing = {}
             for (tenant_id, hour_start), counts in failed.items():
                 self.add(tenant_id, hour_start, counts)
 

@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from gateway.cli.adapters import add_adapters_parser
 from gateway.cli.errors import CommandError
+from wire.engine_options import add_engine_options
 
 DEFAULT_DATA_DIR = Path.home() / ".loraplex"
 DEFAULT_GATEWAY_PORT = 8000
@@ -51,12 +52,7 @@ def common_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 def engine_options(parser: argparse.ArgumentParser) -> None:
     """The local worker's engine (`serve` passes them on to `loraplex worker`, which has the same flags)."""
     group = parser.add_argument_group("engine options (of the local worker)")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--dtype", default="auto")
-    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--max-loras", type=int, default=8)
-    group.add_argument("--max-lora-rank", type=int, default=64)
+    add_engine_options(group)
 
 
 def chat_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:

@@ -72,6 +72,8 @@ def worker_command(args: argparse.Namespace, model: Path, served_name: str, port
         "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
         "--max-num-seqs", str(args.max_num_seqs), "--max-loras", str(args.max_loras),
         "--max-lora-rank", str(args.max_lora_rank),
+        "--quantization", args.quantization,
+        *(["--quantization-group-size", str(args.quantization_group_size)] if args.quantization_group_size else []),
         *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []),
     ])
 
@@ -115,7 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
             pid_file=args.data_dir / "worker.pid",
         ))
         resources = supervisor.running
-    config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters")
+    config = GatewayConfig(served_model_name=served_name, adapter_root=args.data_dir / "adapters",
+                           tool_call_parser=args.tool_call_parser)
     admission = quota_admission(args)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model), max_lora_rank=args.max_lora_rank)
     try:

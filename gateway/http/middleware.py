@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -140,3 +141,16 @@ class ErrorGuardMiddleware:
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
+
+
+class RouteBodySizeLimit:
+    """Body limits by route: `(method, path)` in `per_route` may carry that many bytes, every other request
+    `max_bytes` (never less). Both are enforced while the body is read (BodySizeLimitMiddleware)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, per_route: Mapping[tuple[str, str], int]) -> None:
+        self.default = BodySizeLimitMiddleware(app, max_bytes)
+        self.routes = {route: BodySizeLimitMiddleware(app, max(max_bytes, limit)) for route, limit in per_route.items()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limited = self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
+        await (limited or self.default)(scope, receive, send)

@@ -113,6 +113,8 @@ class _LiveCollector(Collector):
         yield _counter("loraplex_adapter_loads", "Adapters copied into a device slot.", worker.adapter_loads)
         yield _counter("loraplex_adapter_evictions", "Resident adapters replaced to make room.",
                        worker.adapter_evictions)
+        yield _gauge("loraplex_model_weight_bytes", "Resident bytes of the base model's weights (packed when quantized).",
+                     worker.weight_bytes)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

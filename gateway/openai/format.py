@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.openai.tools.reader import ToolCallReader
+from tokenization.tool_formats import ToolCallFormat
 from wire.protocol import GenerateDelta, Logprob, SampleDelta
 
 MIN_LOGPROB = -9999.0
@@ -29,6 +31,7 @@ class SampleCounters:
     num_chars: int = 0  # characters of text sent so far (the completions API's text_offset)
     finish_reason: str | None = None
     started: bool = False  # the first (role) chunk went out
+    last_token_id: int | None = None  # the sample's latest token (a tool request cuts a final special one)
 
 
 class StreamCounters:
@@ -47,6 +50,8 @@ class StreamCounters:
             counters.num_tokens += len(s.token_ids)
             counters.num_chars += len(s.text)
             counters.finish_reason = s.finish_reason or counters.finish_reason
+            if s.token_ids:
+                counters.last_token_id = s.token_ids[-1]
 
     @property
     def completion_tokens(self) -> int:
@@ -88,16 +93,21 @@ class Formatter:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, model: str, token_text: Callable[[int], str], with_logprobs: bool) -> None:
+    def __init__(self, response_id: str, model: str, token_text: Callable[[int], str], with_logprobs: bool,
+                 service_tier: str | None = None) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text  # token id -> its text
         self.with_logprobs = with_logprobs
+        self.service_tier = service_tier  # reported back when the request chose one
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
+        out = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+               "system_fingerprint": None, "choices": choices}
+        if self.service_tier is not None:
+            out["service_tier"] = self.service_tier
+        return out
 
     def chunk(self, delta: GenerateDelta, counters: StreamCounters, include_usage: bool) -> dict | None:
         """The chunk for `delta`, which `counters` already holds (None when it carries nothing to send)."""
@@ -124,18 +134,50 @@ class Formatter:
 
 
 class ChatFormatter(Formatter):
+    """Chat shapes. With `tools` (the served model's call format, for a request whose tool_choice allows
+    calls) each sample's text is read into content and tool_calls (gateway/openai/tools/reader.py), the
+    final special token of the sample cut (`special_token_ids`), and a sample that made calls finishes
+    with "tool_calls"."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, model: str, token_text: Callable[[int], str], with_logprobs: bool,
+                 service_tier: str | None = None, tools: ToolCallFormat | None = None,
+                 special_token_ids: frozenset[int] = frozenset()) -> None:
+        super().__init__(response_id, model, token_text, with_logprobs, service_tier)
+        self.tools = tools
+        self.special_token_ids = special_token_ids
+        self._readers: dict[int, ToolCallReader] = {}  # streamed samples' readers, by index
+
+    def _stop_text(self, token_id: int | None) -> str | None:
+        return self.token_text(token_id) if token_id is not None and token_id in self.special_token_ids else None
+
+    def _read(self, s: SampleDelta, counters: SampleCounters) -> tuple[str, list[dict], bool]:
+        """(content, tool_calls fragments, made calls) of a streamed delta."""
+        if self.tools is None:
+            return s.text, [], False
+        reader = self._readers.setdefault(s.index, ToolCallReader(self.tools))
+        if s.finish_reason is None:
+            content, fragments = reader.add(s.text)
+        else:
+            content, fragments = reader.finish(s.text, self._stop_text(counters.last_token_id))
+        return content, fragments, bool(reader.calls)
+
     def _chunk_choice(self, s: SampleDelta, counters: SampleCounters) -> dict | None:
+        text, fragments, called = self._read(s, counters)
         delta: dict = {}
         if not counters.started:
             counters.started = True
             delta["role"] = "assistant"
-            delta["content"] = s.text
-        elif s.text:
-            delta["content"] = s.text
+            delta["content"] = text
+        elif text:
+            delta["content"] = text
+        if fragments:
+            delta["tool_calls"] = fragments
         finish = openai_finish_reason(s.finish_reason)
+        if finish == "stop" and called:
+            finish = "tool_calls"
         if not delta and finish is None and not (self.with_logprobs and s.logprobs):
             return None
         choice = {"index": s.index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -147,8 +189,17 @@ class ChatFormatter(Formatter):
         logprobs = None
         if self.with_logprobs:
             logprobs = {"content": self._content_logprobs(collected.logprobs[index]), "refusal": None}
-        return {"index": index, "message": {"role": "assistant", "content": collected.text(index), "refusal": None},
-                "logprobs": logprobs, "finish_reason": openai_finish_reason(collected.samples[index].finish_reason)}
+        sample = collected.samples[index]
+        message: dict = {"role": "assistant", "content": collected.text(index), "refusal": None}
+        finish = openai_finish_reason(sample.finish_reason)
+        if self.tools is not None:
+            reader = ToolCallReader(self.tools)
+            content, _ = reader.finish(collected.text(index), self._stop_text(sample.last_token_id))
+            message["content"] = content if content or not reader.calls else None
+            if reader.calls:
+                message["tool_calls"] = reader.calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def _content_logprobs(self, logprobs: list[Logprob]) -> list[dict]:
         def entry(token_id: int, value: float) -> dict:
@@ -160,20 +211,36 @@ class ChatFormatter(Formatter):
 
 
 class CompletionFormatter(Formatter):
+    """Completions shapes. `echo`: each prompt's text, put before its choices' text (choice i * n + j is
+    prompt i's sample j)."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def __init__(self, response_id: str, model: str, token_text: Callable[[int], str], with_logprobs: bool,
+                 echo: list[str] | None = None, n: int = 1) -> None:
+        super().__init__(response_id, model, token_text, with_logprobs)
+        self.echo = echo
+        self.n = n
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo is not None else ""
+
     def _chunk_choice(self, s: SampleDelta, counters: SampleCounters) -> dict | None:
         finish = openai_finish_reason(s.finish_reason)
-        if not s.text and finish is None and not s.token_ids:
+        text = s.text
+        if not counters.started:
+            counters.started = True
+            text = self._echo(s.index) + text
+        if not text and finish is None and not s.token_ids:
             return None
         offset = counters.num_chars - len(s.text)  # the counters already hold this delta
         logprobs = self._logprobs(s.logprobs or [], offset) if self.with_logprobs else None
-        return {"index": s.index, "text": s.text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": s.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _final_choice(self, index: int, collected: Collected) -> dict:
         logprobs = self._logprobs(collected.logprobs[index], 0) if self.with_logprobs else None
-        return {"index": index, "text": collected.text(index), "logprobs": logprobs,
+        return {"index": index, "text": self._echo(index) + collected.text(index), "logprobs": logprobs,
                 "finish_reason": openai_finish_reason(collected.samples[index].finish_reason)}
 
     def _logprobs(self, logprobs: list[Logprob], offset: int) -> dict:

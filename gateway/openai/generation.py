@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from starlette.responses import Response
@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage, RequestAdmission, UsageReporter
 from gateway.http.errors import ApiError
 from gateway.observability.request_observer import RequestObserver
+from gateway.openai.fanout import merge_deltas
 from gateway.openai.format import Collected, Formatter, StreamCounters
 from gateway.workers.client import EngineClient
 from wire.errors import ErrorCode, RequestError
@@ -38,9 +39,10 @@ class Generation:
     admitted: Admitted
     engine_request: GenerateRequest
     formatter: Formatter
-    n: int
+    n: int  # choices in the answer (every prompt's samples)
     stream: bool
     include_usage: bool
+    more_requests: tuple[GenerateRequest, ...] = ()  # the other prompts of a completions prompt list
 
 
 def api_error_for(error: RequestError) -> ApiError:
@@ -64,11 +66,15 @@ class GenerationResponse(Response):
         self.final_usage = FinalUsage(0, 0, 0, "error")  # set by _finish
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        observer = RequestObserver.attach(scope, self.generation.admission_request, self.generation.engine_request)
-        if observer is None:
-            deltas = self.engine.generate(self.generation.engine_request)
-        else:  # the worker gets the worker-call span's traceparent; deltas are timed on the way
-            deltas = observer.watch(self.engine.generate(observer.engine_request))
+        generation = self.generation
+        requests = (generation.engine_request, *generation.more_requests)
+        observer = RequestObserver.attach(scope, generation.admission_request, generation.engine_request)
+        if observer is not None:  # the worker gets the worker-call span's traceparent
+            requests = tuple(replace(r, traceparent=observer.engine_request.traceparent) for r in requests)
+        deltas = merge_deltas([self.engine.generate(r) for r in requests], generation.n // len(requests),
+                              generation.engine_request.request_id)
+        if observer is not None:  # deltas are timed on the way
+            deltas = observer.watch(deltas)
         try:
             async with anyio.create_task_group() as tg:
                 async def answer() -> None:

@@ -27,7 +27,8 @@ from gateway.auth.backend import TENANT_SCOPE, TenantUser, require_scope
 from gateway.http.errors import invalid_request, model_not_found
 from gateway.openai.format import ChatFormatter, CompletionFormatter, Formatter
 from gateway.openai.generation import Generation, GenerationResponse
-from gateway.openai.prompt import chat_prompt_ids, completion_prompt_ids, sampling_params
+from gateway.openai.params import refuse_unsupported, requested_priority
+from gateway.openai.prompt import chat_prompt, completion_prompts, sampling_params, tool_constraint
 from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.state import GatewayState
 from gateway.store import Tenant
@@ -55,12 +56,18 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    prompt_ids = chat_prompt_ids(state.tokenizer, body)
+    refuse_unsupported(body)
+    priority, tier = requested_priority(body.priority, body.service_tier, user.tenant.policy)
+    # NOTE: off the event loop: a template with tools renders for a while (the pool is anyio's, bounded)
+    prompt = await run_in_threadpool(chat_prompt, state.tokenizer, state.tool_calling, body)
     requested = body.requested_max_tokens
     max_tokens = state.config.default_max_tokens if requested is None else requested
-    sampling = sampling_params(body, max_tokens, logprobs)
-    formatter = ChatFormatter(_new_id("chatcmpl"), resolved.served_name, state.token_text, logprobs is not None)
-    return await _start(request, state, user, body, resolved, prompt_ids, sampling, formatter)
+    tools = tool_constraint(state.tool_calling, prompt.tools)
+    sampling = sampling_params(body, max_tokens, logprobs, vocab_size=state.tokenizer.vocab_size, tools=tools)
+    formatter = ChatFormatter(_new_id("chatcmpl"), resolved.served_name, state.token_text, logprobs is not None,
+                              service_tier=tier, tools=state.tool_calling.format if tools else None,
+                              special_token_ids=state.tokenizer.special_token_ids)
+    return await _start(request, state, user, body, resolved, [prompt.token_ids], sampling, formatter, priority)
 
 
 async def completions(request: Request) -> Response:
@@ -68,39 +75,47 @@ async def completions(request: Request) -> Response:
     body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
     state = gateway_state(request)
     resolved = await _resolve(state, user, body.model)
-    if body.echo:
-        raise invalid_request("echo is not supported.", param="echo")
+    if body.echo and body.logprobs is not None:
+        raise invalid_request("echo with logprobs is not supported (prompt logprobs are not computed).",
+                              param="echo", code="unsupported_parameter")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid_request("best_of other than n is not supported.", param="best_of")
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
-    prompt_ids = completion_prompt_ids(state.tokenizer, body)
+    prompts = completion_prompts(state.tokenizer, body)
     max_tokens = state.config.default_completion_max_tokens if body.max_tokens is None else body.max_tokens
-    sampling = sampling_params(body, max_tokens, body.logprobs)
+    sampling = sampling_params(body, max_tokens, body.logprobs, vocab_size=state.tokenizer.vocab_size)
+    echo = None
+    if body.echo:
+        given = body.prompt if isinstance(body.prompt, list) and not isinstance(body.prompt[0], int) else [body.prompt]
+        echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in given]
     formatter = CompletionFormatter(_new_id("cmpl"), resolved.served_name, state.token_text,
-                                    body.logprobs is not None)
-    return await _start(request, state, user, body, resolved, prompt_ids, sampling, formatter)
+                                    body.logprobs is not None, echo=echo, n=body.n)
+    return await _start(request, state, user, body, resolved, prompts, sampling, formatter, body.priority)
 
 
 async def _start(request: Request, state: GatewayState, user: TenantUser,
-                 body: ChatCompletionRequest | CompletionRequest, resolved: ResolvedModel, prompt_ids: list[int],
-                 sampling: SamplingParams, formatter: Formatter) -> Response:
+                 body: ChatCompletionRequest | CompletionRequest, resolved: ResolvedModel, prompts: list[list[int]],
+                 sampling: SamplingParams, formatter: Formatter, priority: int | None) -> Response:
+    """Admit and answer the request: one engine request per prompt (a completions prompt list has
+    several), their samples numbered prompt by prompt."""
     ticket = AdmissionRequest(
         request_id=formatter.response_id, tenant=user.tenant, model=resolved.served_name,
-        requested_priority=body.priority, prompt_tokens=len(prompt_ids), max_tokens=sampling.max_tokens,
-        n=body.n,
+        requested_priority=priority, prompt_tokens=sum(len(p) for p in prompts), max_tokens=sampling.max_tokens,
+        n=body.n * len(prompts),
     )
     admitted = await _admit_while_connected(request, state, ticket)  # may raise ApiError (429, 503, 400)
     if admitted is None:
         return Response(status_code=499)  # the client left while queued; nobody reads this
     try:
-        engine_request = GenerateRequest(
-            request_id=formatter.response_id, prompt_token_ids=prompt_ids, sampling=sampling,
-            priority=admitted.priority, adapter=resolved.adapter_spec(state.adapter_root),
-            cache_salt=request_cache_salt(user.tenant), traceparent=request.headers.get("traceparent"),
-        )
-        generation = Generation(ticket, admitted, engine_request, formatter, body.n, body.stream,
-                                body.include_usage)
+        engine_requests = [GenerateRequest(
+            request_id=formatter.response_id if len(prompts) == 1 else f"{formatter.response_id}-{i}",
+            prompt_token_ids=prompt_ids, sampling=sampling, priority=admitted.priority,
+            adapter=resolved.adapter_spec(state.adapter_root), cache_salt=request_cache_salt(user.tenant),
+            traceparent=request.headers.get("traceparent"),
+        ) for i, prompt_ids in enumerate(prompts)]
+        generation = Generation(ticket, admitted, engine_requests[0], formatter, body.n * len(prompts), body.stream,
+                                body.include_usage, more_requests=tuple(engine_requests[1:]))
         return GenerationResponse(generation, state.engine, state.admission, state.usage)
     except BaseException:
         # NOTE: from here on GenerationResponse owns the release; until then a failure must release here.

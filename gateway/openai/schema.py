@@ -28,10 +28,27 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCall(_Body):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as gateway/openai/tools/messages.py reads it (fields that are set)."""
+        return self.model_dump(exclude_none=True) | {"content": self.model_dump()["content"]}
 
     def text(self) -> str:
         if self.content is None:
@@ -57,6 +74,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+
+
 class _SamplingFields(_Body):
     """Fields chat and completions share (OpenAI names, plus vLLM's extras)."""
 
@@ -72,6 +113,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM-compatible extras
     priority: int | None = None
     top_k: int | None = None
@@ -91,6 +133,24 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: ServiceTier | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None  # a caching hint: loraplex's prefix cache needs none
+    safety_identifier: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: variables for the chat template
+    # OpenAI parameters loraplex does not serve: a request that sets one is refused, naming it
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -152,4 +212,4 @@ def _param_name(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "TextPart"})
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "NamedToolChoice"})

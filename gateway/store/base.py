@@ -58,7 +58,7 @@ MAX_AUDIT_PAGE = 1000
 
 class Store(ABC):
     # NOTE: bumped after every change made through this object that can alter what `authenticate` answers
-    # (revocation, suspension, policy, sharing), so caches of its answers (gateway/auth/cache.py) drop
+    # (revocation, suspension, policy, sharing), so caches of its answers (gateway/auth/backend.py) drop
     # what they took before. Changes by other processes or replicas are not seen here.
     auth_epoch: int = 0
 

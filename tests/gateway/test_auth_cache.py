@@ -9,8 +9,7 @@ import pytest
 from starlette.authentication import AuthenticationError
 from starlette.requests import HTTPConnection
 
-from gateway.auth.backend import ApiKeyBackend
-from gateway.auth.cache import AuthCache, AuthCacheConfig
+from gateway.auth.backend import ApiKeyBackend, AuthCache, AuthCacheConfig
 from gateway.store import SqliteStore
 from gateway.store.api_keys import hash_api_key
 

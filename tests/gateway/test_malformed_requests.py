@@ -68,8 +68,8 @@ def _cases() -> list[tuple[str, str, object, int]]:
     c(comp, "prompt token out of vocab", {**COMP, "prompt": [1, 2, 10**9]})
     c(comp, "empty prompt", {**COMP, "prompt": ""})
     c(comp, "logprobs too many", {**COMP, "logprobs": 21})
-    c(comp, "echo unsupported", {**COMP, "echo": True})
-    c(comp, "batched prompts", {**COMP, "prompt": ["a", "b"]})
+    c(comp, "echo with logprobs", {**COMP, "echo": True, "logprobs": 1})
+    c(comp, "too many prompts", {**COMP, "prompt": ["a"] * 65})
     c(comp, "negative max_tokens", {**COMP, "max_tokens": -7})
     return cases
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.observability.recent_activity import RecentActivity, percentile
+from gateway.observability.telemetry import RecentActivity, percentile
 
 
 class Clock:

@@ -77,11 +77,12 @@ def test_exactly_the_limit_is_accepted_across_two_replicas(replicas, limit):
     started = time.monotonic()
     responses = asyncio.run(_fire(urls, key, body, 90, spacing_s=0.01))
     elapsed = time.monotonic() - started
-    # The buckets refill 0.5 requests (5 tokens) a second: a 31st could only fit after 2 s.
-    assert elapsed < 2.0, f"the flood took {elapsed:.2f}s; the window assumption does not hold"
+    # The buckets refill 0.5 requests (5 tokens) a second: exactly 30 fit at once, and one more for every
+    # 2 s the flood took on a loaded machine (never more: that would be a replica over-admitting).
+    refilled = int(elapsed * 0.5)
     statuses = [r.status_code for r in responses]
-    assert statuses.count(200) == 30, statuses
-    assert statuses.count(429) == 60, statuses
+    assert 30 <= statuses.count(200) <= 30 + refilled, (elapsed, statuses)
+    assert statuses.count(429) == 90 - statuses.count(200), statuses
     by_replica = {url: sum(1 for i, r in enumerate(responses) if i % 2 == urls.index(url) and r.status_code == 200)
                   for url in urls}
     assert all(n > 0 for n in by_replica.values()), by_replica  # both replicas admitted some

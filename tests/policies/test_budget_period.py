@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from policies.budget_period import BudgetPeriods
+from policies.quota import BudgetPeriods
 
 
 def test_periods_and_time_to_end_in_utc():

@@ -8,9 +8,8 @@ import asyncio
 
 import pytest
 
-from policies.budget_period import BudgetPeriods
 from policies.memory_quota import MemoryQuotaBackend
-from policies.quota import QuotaUnavailable, RefusalReason
+from policies.quota import BudgetPeriods, QuotaUnavailable, RefusalReason
 from policies.tenant_policy import TenantPolicy
 from policies.usage_ledger import SqliteUsageLedger
 

@@ -10,8 +10,7 @@ import math
 
 import pytest
 
-from policies.budget_period import BudgetPeriods
-from policies.quota import QuotaBackend, QuotaConfig, RefusalReason
+from policies.quota import BudgetPeriods, QuotaBackend, QuotaConfig, RefusalReason
 from policies.tenant_policy import RequestTooLarge, TenantPolicy
 
 T0 = 1_750_000_000.0

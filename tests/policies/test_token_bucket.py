@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.token_bucket import TokenBucket
+from policies.quota import TokenBucket
 
 
 def test_burst_of_limit_then_refill_at_limit_per_minute():

@@ -52,6 +52,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]], calling: ToolCallin
                                            "arguments": _arguments(function["arguments"], i, j)}})
             msg["tool_calls"] = calls
         elif role == "tool":
+            if not m.get("tool_call_id"):
+                raise invalid_request(f"messages[{i}].tool_call_id is required for a tool message.",
+                                      param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
             msg["tool_call_id"] = fmt.template_call_id(m["tool_call_id"])
             if "name" not in msg and m["tool_call_id"] in names:
                 msg["name"] = names[m["tool_call_id"]]

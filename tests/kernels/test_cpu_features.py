@@ -1,0 +1,38 @@
+"""Native bf16 detection from /proc/cpuinfo text, and the default CPU dtype that follows."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_features import bf16_support, cpu_dtype_reason, cpu_flags, default_cpu_dtype
+
+ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"
+SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_fp16 amx_bf16 amx_tile amx_int8\n"
+ICE_LAKE = "processor\t: 0\nflags\t\t: avx2 avx512f avx512bw avx512_vnni avx512_vbmi2\n"  # AVX-512, no bf16
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm svebf16\nCPU implementer\t: 0x41\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp\n"
+
+
+def test_flags_come_from_flags_and_features_lines() -> None:
+    assert {"avx512_bf16", "avx2"} <= cpu_flags(ZEN4)
+    assert "bf16" in cpu_flags(GRAVITON3)
+    assert not cpu_flags("model name\t: bf16 in a name is not a flag\n")
+
+
+def test_native_bf16_on_x86_and_arm() -> None:
+    for text, machine, flags in ((ZEN4, "x86_64", ("avx512_bf16",)), (SAPPHIRE_RAPIDS, "x86_64", ("amx_bf16",)),
+                                 (GRAVITON3, "aarch64", ("bf16",))):
+        support = bf16_support(text, machine)
+        assert support.native and support.flags == flags and support.dtype == torch.bfloat16
+        assert support.reason.startswith("bfloat16:") and flags[0] in support.reason
+
+
+def test_float32_without_native_bf16() -> None:
+    for text, machine in ((ICE_LAKE, "x86_64"), (GRAVITON2, "aarch64"), (GRAVITON3, "x86_64")):
+        support = bf16_support(text, machine)  # an Arm "bf16" flag means nothing on x86, and vice versa
+        assert not support.native and support.dtype == torch.float32 and support.reason.startswith("float32:")
+
+
+def test_this_machine_gets_a_dtype_and_a_reason() -> None:
+    assert default_cpu_dtype() in (torch.float32, torch.bfloat16)
+    assert cpu_dtype_reason().split(":")[0] == str(default_cpu_dtype()).removeprefix("torch.")

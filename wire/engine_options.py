@@ -1,0 +1,22 @@
+"""The engine's command-line flags, shared by `loraplex worker` and `loraplex serve` (which passes them on to
+the worker it starts): one definition, so the two command lines cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_options(group: argparse._ArgumentGroup) -> None:
+    """--device, --dtype, --kv-cache-memory-gb, --max-num-seqs, --max-loras, --max-lora-rank, --quantization,
+    --quantization-group-size (EngineConfig fields of the same names)."""
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--dtype", default="auto")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-loras", type=int, default=8)
+    group.add_argument("--max-lora-rank", type=int, default=64)
+    group.add_argument("--quantization", choices=("none", "int8", "int4"), default="none",
+                       help="weight-only quantization at load: int8 per output channel, int4 group-wise "
+                            "(a GPTQ checkpoint loads as int4 either way)")
+    group.add_argument("--quantization-group-size", type=int, default=None,
+                       help="int4 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 that fits)")
