@@ -9,6 +9,7 @@ hypothesis shrink time-out, so it stays out of the default run).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -24,8 +25,17 @@ from grammar.guard import OutputGuard, schema_validator
 from tests.grammar.constrained_sampling import KINDS, accepts_in_some_order, decode, sample_constrained
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
-CORPUS = [{**entry, "name": f"{entry['source']}/{entry['name']}"} for path in sorted(CORPUS_DIR.glob("*.jsonl"))
-          for entry in (json.loads(line) for line in path.read_text().split("\n") if line)]
+
+
+def _lines(path: Path) -> list[str]:
+    """A corpus file's lines: the sources taken from packages are kept gzipped (.jsonl.gz), the hand-written plain."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return [line for line in data.decode().split("\n") if line]
+
+
+CORPUS = [{**entry, "name": f"{entry['source']}/{entry['name']}"}
+          for path in sorted([*CORPUS_DIR.glob("*.jsonl"), *CORPUS_DIR.glob("*.jsonl.gz")])
+          for entry in (json.loads(line) for line in _lines(path))]
 SAMPLE_SIZE = 4  # schemas per default run for instances and sampling (small ones: see _sample)
 _POINTED = re.compile(r"^json_schema at #\S*: .+")
 

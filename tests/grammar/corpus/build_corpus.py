@@ -13,6 +13,7 @@ versions gives the same files. SOURCES.md names the versions this corpus was bui
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import subprocess
@@ -179,7 +180,8 @@ def write(source: str, items: Iterator[tuple[str, Any]], seen: set[str]) -> int:
             continue
         seen.add(text)
         lines.append(json.dumps({"name": name, "source": source, "schema": schema}, separators=(",", ":")))
-    (HERE / f"{source}.jsonl").write_text("\n".join(lines) + "\n")
+    # mtime=0: the same selection gives the same bytes (the file is committed)
+    (HERE / f"{source}.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode(), 9, mtime=0))
     return len(lines)
 
 
@@ -204,7 +206,7 @@ def main() -> None:
     }
     copy_licenses(wheels)
     for source, count in counts.items():
-        size = (HERE / f"{source}.jsonl").stat().st_size
+        size = (HERE / f"{source}.jsonl.gz").stat().st_size
         print(f"{source:<16}{count:>5} schemas {size / 1e6:>7.2f} MB")
 
 
