@@ -11,7 +11,7 @@ config, and volumes for the data dir and adapter storage shared at the same path
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -19,38 +19,12 @@ import yaml
 
 from gateway.cli.main import WORKER_COMMAND, build_parser
 from gateway.workers.supervisor import SECRET_ENV
+from tests.cli_env import RecordingEnv
 from worker import cli as worker_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS_FOR_REQUIRED = {"LORAPLEX_WORKER_SECRET": "compose-test-secret", "LORAPLEX_MODEL_DIR": "/srv/model"}
 VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
-
-
-class RecordingEnv(Mapping[str, str]):
-    """An environment that remembers every name it is asked for (the CLI's known variables)."""
-
-    def __init__(self, values: Mapping[str, str]) -> None:
-        self.values = dict(values)
-        self.asked: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.asked.add(key)
-        return self.values[key]
-
-    def get(self, key, default=None):  # type: ignore[override]
-        self.asked.add(key)
-        return self.values.get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        if isinstance(key, str):
-            self.asked.add(key)
-        return key in self.values
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
 
 
 def interpolate(value: str) -> str:

@@ -11,11 +11,12 @@ Service; adapters are read where gateways write them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 import pytest
 
+from tests.cli_env import RecordingEnv
 from tests.deploy.manifests import (
     OVERLAYS,
     Obj,
@@ -58,33 +59,6 @@ def env_names_read(command: str) -> set[str]:
     recorder = RecordingEnv({})
     (worker_cli.build_parser if command == WORKER_COMMAND else build_parser)(recorder)
     return recorder.asked | {worker_cli.SECRET_ENV}
-
-
-class RecordingEnv(Mapping[str, str]):
-    """An environment that remembers every name it is asked for."""
-
-    def __init__(self, values: Mapping[str, str]) -> None:
-        self.values = dict(values)
-        self.asked: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.asked.add(key)
-        return self.values[key]
-
-    def get(self, key, default=None):  # type: ignore[override]
-        self.asked.add(key)
-        return self.values.get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        if isinstance(key, str):
-            self.asked.add(key)
-        return key in self.values
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
 
 
 def loraplex_containers(objs: list[Obj]) -> list[tuple[Obj, Obj]]:
