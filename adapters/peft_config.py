@@ -259,7 +259,12 @@ def _first_pattern_key(patterns: Mapping[str, Any], name: str) -> str | None:
 
 
 def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (JSON allows any number of digits)
+        return False
 
 
 def _flag(raw: dict[str, Any], key: str) -> bool:

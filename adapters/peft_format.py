@@ -39,6 +39,10 @@ _LORA_KEY = re.compile(
 )
 # safetensors dtype -> little-endian numpy dtype it is read as (BF16: the upper half of a float32).
 _FLOAT_DTYPES = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8"}
+# Largest finite magnitude of each compute dtype a model may run in (config.json's torch_dtype): a weight or a
+# scaling beyond it becomes inf in the slot buffers (float32: 1e39; float16: 70000). Unknown names: float32.
+DTYPE_MAX = {"float32": float(np.finfo(np.float32).max), "bfloat16": 3.3895313892515355e38,
+             "float16": float(np.finfo(np.float16).max)}
 _Tensor = Mapping[str, Any]  # one entry of safetensors.deserialize: {"dtype": str, "shape": list, "data": bytes}
 
 
@@ -67,7 +71,9 @@ def read_peft_adapter(
 ) -> PeftAdapterContents:
     """Read and validate a PEFT adapter directory. This operation does not modify the directory.
 
-    accepted_base_models: names/paths the served base model is known by (its path, its served name);
+    Every factor and every module's scaling must be finite in float32 (the host copy and the slot's
+    scaling buffer) and in `model_config.torch_dtype` (the compute dtype; an engine passes the dtype it
+    really runs in). accepted_base_models: names/paths the served base model is known by (its path, its served name);
     None skips the check. An adapter that declares no base_model_name_or_path passes it (shapes decide).
     """
     manifest, factors = _read_adapter(adapter_dir, model_config, name, max_lora_rank, accepted_base_models)
@@ -120,6 +126,8 @@ def _read_adapter(
         raw = json.loads(config_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{ADAPTER_CONFIG_FILE}: invalid JSON ({e})") from None
+    except RecursionError:  # nested deeper than the parser recurses
+        raise AdapterError(f"{ADAPTER_CONFIG_FILE}: nested too deeply") from None
     config = PeftLoraConfig.from_dict(raw)
     declared = config.base_model_name_or_path
     if (
@@ -132,6 +140,8 @@ def _read_adapter(
             f"{', '.join(repr(a) for a in accepted_base_models)}"
         )
     targets = config.resolve_targets(model_config)
+    dtype = model_config.torch_dtype if model_config.torch_dtype in DTYPE_MAX else "float32"
+    limit = min(DTYPE_MAX[dtype], DTYPE_MAX["float32"])
     ranks = {key: config.rank_for(key) for key in targets}
     rank = max(ranks.values())
     if rank > max_lora_rank:
@@ -148,9 +158,16 @@ def _read_adapter(
     for key in targets:
         in_features, out_features = shapes[key[1]]
         r = ranks[key]
-        a = _checked_factor(factors, key, "A", (r, in_features))  # (r, in_features)
-        b = _checked_factor(factors, key, "B", (out_features, r))  # (out_features, r)
-        weights[key] = LoRAFactors(lora_a=a, lora_b=b, scaling=config.scaling_for(key))
+        a = _checked_factor(factors, key, "A", (r, in_features), dtype, limit)  # (r, in_features)
+        b = _checked_factor(factors, key, "B", (out_features, r), dtype, limit)  # (out_features, r)
+        scaling = config.scaling_for(key)
+        if not abs(scaling) <= limit:
+            raise AdapterError(
+                f"{ADAPTER_CONFIG_FILE}: the scaling of {module_path(*key)} (lora_alpha / "
+                f"{'sqrt(r)' if config.use_rslora else 'r'}) is {scaling:.3g}, beyond the range of {dtype}, "
+                "the model's compute dtype"
+            )
+        weights[key] = LoRAFactors(lora_a=a, lora_b=b, scaling=scaling)
 
     manifest = AdapterManifest(
         name=name,
@@ -239,6 +256,8 @@ def _checked_factor(
     key: ModuleKey,
     factor: str,
     expected_shape: tuple[int, int],
+    compute_dtype: str,
+    limit: float,
 ) -> np.ndarray:
     entry = factors.get((*key, factor))
     if entry is None:
@@ -257,6 +276,12 @@ def _checked_factor(
     as_fp32 = _to_float32(tensor["data"], dtype).reshape(shape)
     if not bool(np.isfinite(as_fp32).all()):
         raise AdapterError(f"tensor {tensor_key} contains NaN or Inf values")
+    largest = float(np.abs(as_fp32).max()) if as_fp32.size else 0.0
+    if largest > limit:
+        raise AdapterError(
+            f"tensor {tensor_key} holds a value of magnitude {largest:.3g}, which is inf in {compute_dtype}, "
+            "the model's compute dtype"
+        )
     return as_fp32
 
 

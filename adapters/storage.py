@@ -3,7 +3,8 @@
 The directory name is the adapter's content digest (adapters.adapter_files.adapter_digest), so a stored
 adapter never changes and storing the same content twice is a no-op. Writes go to a temporary directory
 inside root (same filesystem) and appear with one os.rename, so readers see a complete adapter or none.
-Names, versions and tenants live in the gateway's registry, not here.
+Names, versions and tenants live in the gateway's registry, not here. Files are 0600 and directories
+0700 (mkdtemp's own mode, kept by the rename): adapters are tenants' data.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class AdapterStorage:
 
     def __init__(self, root: str | Path, stale_temp_seconds: float = 3600.0) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # NOTE: owner-only, as every file below it
         self.remove_stale_temporaries(stale_temp_seconds)
 
     def put(self, adapter_dir: str | Path, expected_sha256: str | None = None) -> str:
@@ -139,7 +140,8 @@ def _copy_hashing(src: Path, dst: Path) -> str:
 
 
 def _write_synced(path: Path, chunks) -> None:
-    with path.open("xb") as out:
+    """A new file, owner-only (0600, whatever the umask), with `chunks` written and synced."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
         for chunk in chunks:
             out.write(chunk)
         out.flush()

@@ -1,16 +1,23 @@
 """Grammar benchmark: compile time per backend (cold and cached), mask fill + apply per step, and the
 engine's output tokens/s constrained vs unconstrained on the bench model.
 
-    python -m bench.grammar [--quick] [--tokenizer DIR] [--out bench/results/grammar.json]
+    python -m bench.grammar [--quick] [--corpus-sample N] [--tokenizer DIR] [--out bench/results/grammar.json]
 
 (run it as a module from the repository root: as a script, bench/grammar.py would shadow the
-`grammar` package).
+`grammar` package; `pip install -e .[dev,bench]` installs the peers it compares with).
 
-Uses the bench model's tokenizer (demo.checkpoint.train_tokenizer(dir, "byte_bpe", 8192); the real vocabulary
-size is printed) and the 20 schemas of
-tests/grammar/schemas.json. xgrammar is timed as an outside reference for the compile call alone (no pool hop);
-it is not a backend here: it silently drops minLength/maxLength next to pattern or format.
-Prints a table and writes JSON. Numbers are wall-clock on whatever machine runs it.
+Uses the bench model's tokenizer (bench/.cache/tokenizer-8k, demo.checkpoint.train_tokenizer(dir, "byte_bpe",
+8192); the real vocabulary size is printed). Three parts:
+
+- the 20 schemas of tests/grammar/schemas.json: compile cold / cached per backend, mask fill + apply per step
+  (xgrammar is timed as an outside reference for the compile call alone);
+- the corpus run (bench/grammar_corpus.py): loraplex, llguidance, xgrammar and outlines-core used raw on the
+  real-world corpus of tests/grammar/corpus: accepted %, compile p50/p99, mask fill µs per token, and of the
+  accepted schemas how many each enforces exactly on generated valid and one-mutation invalid documents;
+- the engine's output tokens/s constrained vs unconstrained on the bench model (goal: >= 0.9x at batch 16).
+
+--quick: fewer mask steps, a 40-schema corpus sample, batch 16 only. Prints tables and writes JSON.
+Numbers are wall-clock on whatever machine runs it.
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.grammar_corpus import corpus_run, print_summary
 from grammar import (
     GrammarCompiler,
     GrammarError,
@@ -158,27 +165,40 @@ def engine_throughput(batch: int, max_tokens: int) -> dict:
     return row
 
 
+def bench_tokenizer() -> Path:
+    """bench/.cache/tokenizer-8k (the bench model's), trained there if missing."""
+    from bench.common import CACHE
+    from demo.checkpoint import train_tokenizer
+
+    tokenizer_dir = CACHE / "tokenizer-8k"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        train_tokenizer(tokenizer_dir, "byte_bpe", 8192)
+    return tokenizer_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer mask steps (smoke run)")
-    parser.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json (default: train the bench one)")
+    parser.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json (default: the bench model's)")
+    parser.add_argument("--corpus-sample", type=int, help="schemas of the corpus run, seeded sample "
+                        "(default: all; 40 with --quick; 0 skips it)")
+    parser.add_argument("--compile-timeout", type=float, help="per-schema compile limit, s (default 30; 10 with --quick)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "grammar.json")
     args = parser.parse_args()
     schemas = json.loads(SCHEMAS_FILE.read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer_dir = args.tokenizer
-        if tokenizer_dir is None:
-            from demo.checkpoint import train_tokenizer
-
-            tokenizer_dir = train_tokenizer(Path(tmp) / "bench", "byte_bpe", 8192)
-        info = TokenizerInfo.from_file(tokenizer_dir)
-        results: dict = {"vocab_size": info.vocab_size, "schemas": len(schemas), "compile": {}, "masks": {}}
-        for backend in ("llguidance", "outlines"):
-            results["compile"][backend] = time_compiles(info, backend, schemas)
-        results["compile"]["xgrammar (reference)"] = time_xgrammar(tokenizer_dir, info, schemas)
-        steps = 20 if args.quick else 200
-        for backend in ("llguidance", "outlines"):
-            results["masks"][backend] = [time_masks(info, backend, schemas, b, steps) for b in (1, 16, 64)]
+    sample = args.corpus_sample if args.corpus_sample is not None else (40 if args.quick else None)
+    tokenizer_dir = args.tokenizer or bench_tokenizer()
+    info = TokenizerInfo.from_file(tokenizer_dir)
+    results: dict = {"vocab_size": info.vocab_size, "schemas": len(schemas), "compile": {}, "masks": {}}
+    for backend in ("llguidance", "outlines"):
+        results["compile"][backend] = time_compiles(info, backend, schemas)
+    results["compile"]["xgrammar (reference)"] = time_xgrammar(tokenizer_dir, info, schemas)
+    steps = 20 if args.quick else 200
+    for backend in ("llguidance", "outlines"):
+        results["masks"][backend] = [time_masks(info, backend, schemas, b, steps) for b in (1, 16, 64)]
+    if sample != 0:
+        results["corpus"] = corpus_run(tokenizer_dir, sample,
+                                       compile_timeout_s=args.compile_timeout or (10.0 if args.quick else 30.0))
     print(f"vocab {info.vocab_size}, {len(schemas)} schemas, CPU torch {torch.__version__}")
     print("cold = submit -> result through the thread pool; work = the backend's compile call alone")
     print(f"{'backend':<22}{'compiled':>9}{'cold p50':>10}{'cold p90':>10}{'work p50':>10}{'work p90':>10}"
@@ -194,6 +214,8 @@ def main() -> None:
         for row in rows:
             print(f"{backend:<14}{row['batch']:>6}{row['fill_ms']['p50']:>10.3f}{row['fill_ms']['p90']:>10.3f}"
                   f"{row['apply_ms']['p50']:>11.3f}{row['apply_ms']['p90']:>11.3f}")
+    if "corpus" in results:
+        print_summary(results["corpus"])
     batches = (16,) if args.quick else (1, 16, 64)
     results["engine"] = [engine_throughput(b, 16 if args.quick else 64) for b in batches]
     print(f"\n{'batch':>6}{'unconstrained tok/s':>22}{'constrained tok/s':>20}{'ratio':>8}  (bench model, CPU fp32)")

@@ -3,9 +3,10 @@
 The loop thread alone touches the LLMEngine. Callers post commands (add, abort) to an inbox; the loop
 drains it between steps, runs `step()`, and hands each request's delta (wire.protocol.GenerateDelta:
 only what is new) to the caller's event loop. A request that fails ends its stream with a
-wire.errors.RequestError carrying a stable code. A fault inside a step fails the requests in flight
-(releasing everything they hold; the fault is logged here, tenants get only the code's message) and the
-loop keeps serving.
+wire.errors.RequestError carrying a stable code. The engine fails only the requests a step's fault is
+attributed to (engine/fault_isolation.py); a fault that escapes `step()` fails every request in flight
+(releasing everything they hold; the fault is logged here, tenants get only the code's message), and then
+`on_fatal` stops the loop (a worker exits and is restarted) or, without it, the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """`on_fatal(error)` is called (on the loop thread, once) after a step raised a fault no request
+        could be blamed for (engine.fault_isolation.EngineFault) and every request in flight was failed;
+        the loop then stops serving (a worker exits, so that its supervisor restarts it). None: the loop
+        serves on (embedded use, tests)."""
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -50,8 +57,8 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None) -> AsyncLLM:
+        return cls(LLMEngine(config), on_fatal)
 
     @property
     def tokenizer(self):
@@ -73,6 +80,8 @@ class AsyncLLM:
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self.fatal_error is not None:  # the loop stopped for an engine fault; the worker restarts
+                raise RequestError(ErrorCode.WORKER_UNAVAILABLE, request_id=request_id)
             if request_id in self._streams:
                 raise RequestError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -113,7 +122,8 @@ class AsyncLLM:
         return self._stats
 
     def call_in_loop(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
-        """Run fn(engine) on the loop thread between steps; await the returned future for its result."""
+        """Run fn(engine) on the loop thread between steps; await the returned future for its result.
+        `stats()` reflects what fn changed (a loaded or unloaded adapter) once the future is done."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -123,6 +133,7 @@ class AsyncLLM:
             except Exception as e:
                 loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
+                self._stats = self.engine.stats()
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
         self._post(run)
@@ -170,9 +181,15 @@ class AsyncLLM:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # an engine fault: fail what was in flight, release it all, go on
+            except Exception as e:  # a fault no request is to blame for: fail what was in flight
                 log.exception("engine step failed")
+                if self.on_fatal is not None:
+                    with self._lock:  # NOTE: set before _fail_all, so a stream opened later is refused
+                        self.fatal_error = e
+                    self._stopping = True
                 self._fail_all()
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
                 continue
             self.step_count += 1
             self._idle_checked = False

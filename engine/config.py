@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_features import cpu_dtype_reason, default_cpu_dtype
 from kernels.quant import INT4_GROUP_SIZES
 from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public config names)
     LORA_TARGET_MODULES,
@@ -30,7 +31,9 @@ class EngineConfig:
 
     model: str
     device: str = "cpu"
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype on CUDA, float32 on CPU (bfloat16 when quantized)
+    # "auto" = the checkpoint's dtype on CUDA; on CPU bfloat16 where the CPU has native bf16 (and always when
+    # quantized: the packed int kernels take bf16 activations), float32 elsewhere (kernels.cpu_features)
+    dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
@@ -73,7 +76,18 @@ class EngineConfig:
         # torch's packed int8/int4 CPU kernels take bf16 activations (fp32 ones dequantize every step)
         if self.quantization != "none" or "quantization_config" in model_config.raw:
             return torch.bfloat16
-        return torch.float32
+        return default_cpu_dtype()
+
+    def dtype_reason(self, model_config: ModelConfig) -> str:
+        """One start-up line: the compute dtype and why it was chosen."""
+        name = str(self.torch_dtype(model_config)).removeprefix("torch.")
+        if self.dtype != "auto":
+            return f"{name}: set by dtype={self.dtype}"
+        if self.device.startswith("cuda"):
+            return f"{name}: the checkpoint's dtype on CUDA"
+        if self.quantization != "none" or "quantization_config" in model_config.raw:
+            return f"{name}: quantized weights take bf16 activations on CPU"
+        return cpu_dtype_reason()
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         return self.max_model_len or model_config.max_position_embeddings

@@ -25,8 +25,10 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def usage(self) -> float:
-        """Share of blocks that are not free (includes blocks only the prefix cache holds)."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        """Share of blocks in use by requests, 0..1. Blocks only the prefix cache holds count as free (as
+        vLLM's kv_cache_usage_perc does): an allocation evicts them, so a busy cache does not read as full."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache is not None else 0
+        return 1.0 - (self.pool.num_free_blocks + evictable) / self.pool.num_blocks
 
     def match_prefix(self, req: Request) -> int:
         """On admission: reuse cached whole blocks of the prompt. Returns the number of cached tokens.

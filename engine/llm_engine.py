@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig, ModelConfig
+from engine.fault_isolation import EngineFault, IsolatedStep, StepIsolator
 from engine.loader import read_generation_config
 from engine.lora_slots import LoRASlots
 from engine.output_processor import OutputProcessor
@@ -17,8 +18,8 @@ from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
 from tokenization.tokenizer import Tokenizer
 from wire.errors import ErrorCode, RequestError
-from wire.protocol import GenerateDelta
-from wire.sampling import SamplingParams
+from wire.protocol import AdapterResidency, GenerateDelta
+from wire.sampling import MAX_SEED, InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ class EngineStats:
     lora_host_evictions: int = 0
     lora_resident_adapters: tuple[str, ...] = ()  # names of the adapters now in device slots
     weight_bytes: int = 0  # resident bytes of the model's weights (quantized weights count packed)
+    block_size: int = 0  # tokens per KV block
+    lora_running_adapters: tuple[str, ...] = ()  # names of the adapters of running requests (sorted)
+    lora_waiting_adapters: tuple[str, ...] = ()  # ... of waiting requests
+    faulted_steps: int = 0  # steps whose first run raised (engine.fault_isolation)
+    isolated_failures: int = 0  # requests failed alone by a fault attributed to them
+    lora_residency: tuple[AdapterResidency, ...] = ()  # every adapter in a device slot or in host memory
 
 
 class LLMEngine:
@@ -55,7 +62,10 @@ class LLMEngine:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         self.tokenizer = Tokenizer(config.model, extra_eos_ids=eos_ids)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.lora = LoRASlots(config, self.model_config, config.torch_dtype(self.model_config), config.device)
+        dtype = config.torch_dtype(self.model_config)
+        # NOTE: adapters are validated against the dtype this engine computes in, not the checkpoint's.
+        as_run = replace(self.model_config, torch_dtype=str(dtype).removeprefix("torch."))
+        self.lora = LoRASlots(config, as_run, dtype, config.device)
         self.structured = StructuredOutputManager(config.model, self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(config, self.model_config, lora=self.lora, grammar_masker=self.structured.fill)
         self.scheduler = Scheduler(
@@ -64,6 +74,7 @@ class LLMEngine:
             gates=(self.structured.admission_gate, self.lora.admission_gate),
             on_release=self._on_release, holdings_check=self.lora.check_integrity,
         )
+        self.isolator = StepIsolator(self.runner)
 
     # ----- intake -----------------------------------------------------------------------------------
 
@@ -84,13 +95,14 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        _check_params(params, vocab)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         added = []
         try:
             for i, cid in enumerate(child_ids):
                 child_params = params
                 if params.n > 1 and params.seed is not None:
-                    child_params = _with_seed(params, params.seed + i)
+                    child_params = _with_seed(params, (params.seed + i) % (MAX_SEED + 1))
                 req = Request(cid, list(token_ids), child_params, self.tokenizer.eos_token_ids, priority=priority,
                               adapter=adapter, cache_salt=cache_salt)
                 self.structured.submit(req)  # GrammarError (a ValueError) refuses the request here
@@ -135,16 +147,21 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """One iteration. Returns, for each request that changed, its delta (new tokens and text) or
-        the RequestError that ended it; a request's last item is a finished delta or an error."""
-        plan = self.scheduler.schedule()
-        output = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, output)
-        return self._make_outputs(updates)
+        the RequestError that ended it; a request's last item is a finished delta or an error.
 
-    def _make_outputs(self, updates: list[tuple[Request, SampledToken]]) -> list[StepOutput]:
+        A fault while running the step fails only the requests it is attributed to (engine.fault_isolation);
+        one it cannot attribute raises EngineFault, after which the engine must not serve on."""
+        plan = self.scheduler.schedule()
+        ran = self.isolator.execute(plan)  # the plan less the requests at fault, if any
+        updates = self.scheduler.update(ran.plan, ran.output)
+        return self._make_outputs(updates, ran)
+
+    def _make_outputs(self, updates: list[tuple[Request, SampledToken]],
+                      ran: IsolatedStep | None = None) -> list[StepOutput]:
         # NOTE: a constrained output that fails its guard never reaches a delta: its request fails instead.
         failures = [(rid, RequestError(ErrorCode.ENGINE_ERROR, reason))
                     for rid, reason in self.structured.guard(updates)]
+        failures += self._step_faults(ran)
         if failures:
             unguarded = {rid for rid, _ in failures}
             updates = [(req, sampled) for req, sampled in updates if req.request_id not in unguarded]
@@ -165,7 +182,31 @@ class LLMEngine:
             failed = self.fail_request(parent_id, error) if parent_id is not None else None
             if failed is not None:
                 outputs.append(failed)
+        if ran is not None and ran.failed:
+            self._check_after_fault()
         return outputs
+
+    def _step_faults(self, ran: IsolatedStep | None) -> list[tuple[str, RequestError]]:
+        """The requests this step's faults are attributed to, with what their tenants are told (the
+        detail was logged where the fault was caught)."""
+        failures = [(rid, RequestError(ErrorCode.ENGINE_ERROR, "the engine failed while running this request"))
+                    for rid in (ran.failed if ran is not None else ())]
+        for rid, gate, error in self.scheduler.take_admission_faults():
+            log.warning("request %s could not be admitted: %.300s", rid, error)
+            if gate == self.lora.admission_gate:
+                failures.append((rid, RequestError(ErrorCode.ADAPTER_UNAVAILABLE,
+                                                   "the adapter cannot be loaded into this engine")))
+            else:
+                failures.append((rid, RequestError(ErrorCode.ENGINE_ERROR,
+                                                   "the engine failed while admitting this request")))
+        return failures
+
+    def _check_after_fault(self) -> None:
+        """After failing requests for a fault: everything they held must be back (else stop serving)."""
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as e:
+            raise EngineFault(f"engine state is inconsistent after a fault: {e}") from e
 
     def _on_release(self, req: Request) -> None:
         self.lora.on_release(req)
@@ -197,6 +238,12 @@ class LLMEngine:
             lora_host_evictions=self.lora.host.stats.host_evictions,
             lora_resident_adapters=tuple(ref.name for ref in self.lora.resident_adapters()),
             weight_bytes=self.runner.weight_bytes,
+            block_size=self.config.block_size,
+            lora_running_adapters=_adapter_names(self.scheduler.running),
+            lora_waiting_adapters=_adapter_names(self.scheduler.waiting),
+            lora_residency=tuple(self.lora.residency()),
+            faulted_steps=self.isolator.stats.faulted_steps,
+            isolated_failures=self.isolator.stats.failed_requests,
         )
 
     # ----- adapters ---------------------------------------------------------------------------------
@@ -225,5 +272,21 @@ class LLMEngine:
             time.sleep(0.002)
 
 
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.adapter.name for r in requests if r.adapter is not None}))
+
+
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
+
+
+def _check_params(params: SamplingParams, vocab_size: int) -> None:
+    """What SamplingParams cannot check without the model: token ids within its vocabulary. The seed is
+    checked again here, since a seed the sampler's generator refuses would fail inside a step."""
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise InvalidSamplingParams("seed", f"seed must be in [0, 2**64 - 1], got {params.seed}")
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidSamplingParams(name, f"{name} names token id {bad}, outside the vocabulary "
+                                              f"(0..{vocab_size - 1})")

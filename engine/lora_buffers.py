@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from adapters.errors import AdapterError
 from adapters.lora_adapter import LoRAAdapter
 from engine.config import ModelConfig
 from engine.plan import BatchPlan
@@ -66,7 +67,11 @@ class LoRADeviceBuffers:
         self._adapted: list[list[set[str]]] = [[set() for _ in range(mc.num_layers)] for _ in range(num_slots)]
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy every factor of `adapter` into `slot` (the slot's previous content is replaced)."""
+        """Copy every factor of `adapter` into `slot` (the slot's previous content is replaced).
+
+        Raises AdapterError, with the slot untouched, for a factor or scaling that is not finite in the
+        buffers' dtype (checked before anything is copied, so the step that would run it never does)."""
+        self.check_fits(adapter)
         for layer, groups in enumerate(self.weights):
             adapted = self._adapted[slot][layer]
             adapted.clear()
@@ -83,6 +88,20 @@ class LoRADeviceBuffers:
                     [0.0 if m is None else m.scaling for m in modules],
                 )
                 adapted.add(group)
+
+    def check_fits(self, adapter: LoRAAdapter) -> None:
+        """AdapterError naming the first factor or scaling of `adapter` that overflows this buffer's
+        dtype (scalings live in float32). This operation does not modify the buffers."""
+        dtype = self.weights[0]["qkv"].lora_a.dtype
+        limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+        for (layer, proj), m in adapter.weights.items():
+            if not abs(m.scaling) <= limit:
+                raise AdapterError(f"adapter {adapter.name!r}: the scaling of layer {layer} {proj} "
+                                   f"({m.scaling:.3g}) is not finite in {dtype}")
+            for factor, tensor in (("lora_A", m.lora_a), ("lora_B", m.lora_b)):
+                if tensor.numel() and not bool(tensor.abs().max() <= limit):  # NaN compares False
+                    raise AdapterError(f"adapter {adapter.name!r}: layer {layer} {proj} {factor} holds values "
+                                       f"that are not finite in {dtype}")
 
     def is_adapted(self, layer: int, group: str, slots: tuple[int, ...]) -> bool:
         return any(group in self._adapted[s][layer] for s in slots)

@@ -191,6 +191,16 @@ class AdapterHostCache:
         with self._lock:
             return len(self._loaded)
 
+    def resident(self) -> list[tuple[AdapterRef, int, bool]]:
+        """(identity, rank, pinned) of every adapter whose factors are in host memory now, least recently
+        used first. This operation does not change the cache (nor the LRU order)."""
+        with self._lock:
+            out = []
+            for ref, adapter in self._loaded.items():
+                reg = self._registered.get(ref.name)
+                out.append((ref, adapter.rank, reg is not None and reg.pinned and reg.ref == ref))
+            return out
+
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 

@@ -13,8 +13,9 @@ engine hands the scheduler two of its methods:
   error). A preempted request keeps its slot pin until it finishes, so it resumes in the same slot.
 
 A slot holds one adapter identity (name, content digest), so new content under an old name gets a slot
-of its own while requests on the old content finish in theirs. Slot state is touched only by the
-engine's thread; the host cache is thread-safe.
+of its own while requests on the old content finish in theirs. A slot whose adapter was unloaded (or
+replaced) is emptied as soon as no unfinished request pins it, so `residency()` never reports content
+nobody can ask for. Slot state is touched only by the engine's thread; the host cache is thread-safe.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.lora_host_cache import AdapterHostCache
 from engine.plan import BatchPlan
 from engine.request import AdapterRef, Request
 from engine.scheduler import BASE_SLOT
+from wire.protocol import AdapterResidency
 
 
 @dataclass
@@ -50,6 +52,7 @@ class LoRASlots:
         self.stats = SlotStats()
         self._buffers: LoRADeviceBuffers | None = None  # allocated at the first slot load
         self._owner: list[AdapterRef | None] = [None] * self.num_slots  # adapter resident in each slot
+        self._rank: list[int] = [0] * self.num_slots  # rank of the adapter in each slot
         self._slot_of: dict[AdapterRef, int] = {}
         self._pins: list[int] = [0] * self.num_slots  # unfinished requests admitted into each slot
         self._last_used: list[int] = [0] * self.num_slots  # admission tick of the slot's latest use
@@ -67,8 +70,13 @@ class LoRASlots:
         return self.host.register(name, path, sha256)
 
     def unload_adapter(self, name: str) -> AdapterRef:
-        """New requests for `name` are refused; in-flight ones finish on their slot. ValueError if unknown."""
-        return self.host.unregister(name)
+        """New requests for `name` are refused; in-flight ones finish on their slot, which is emptied (and
+        the host entry dropped) when the last of them ends, or now when none runs. ValueError if unknown.
+        Changes slot state: call on the engine's thread."""
+        ref = self.host.unregister(name)
+        for slot in range(self.num_slots):
+            self._empty_if_stale(slot)
+        return ref
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """A pinned adapter is never evicted from its device slot or from host memory once there.
@@ -90,6 +98,18 @@ class LoRASlots:
     def resident_adapters(self) -> list[AdapterRef]:
         """Loaded adapters now in a device slot (for routing by residency)."""
         return [ref for ref in self._owner if ref is not None and self.host.is_registered(ref)]
+
+    def residency(self) -> list[AdapterResidency]:
+        """Every adapter held in memory, by engine name: `gpu` for those in a device slot (sorted by slot),
+        then `cpu` for those only in host memory. Read on the engine's thread (slot state)."""
+        # A slot left with replaced content (no pins) is free space, not a resident adapter.
+        gpu = [(slot, ref) for slot, ref in enumerate(self._owner)
+               if ref is not None and (self._pins[slot] > 0 or self.host.is_registered(ref))]
+        out = [AdapterResidency(ref.name, "gpu", self._rank[slot], self.host.is_pinned(ref)) for slot, ref in gpu]
+        in_slots = {ref for _, ref in gpu}
+        out += [AdapterResidency(ref.name, "cpu", rank, pinned)
+                for ref, rank, pinned in self.host.resident() if ref not in in_slots]
+        return out
 
     # ----- request lifecycle (the scheduler's gate and release hook) ---------------------------------
 
@@ -130,6 +150,7 @@ class LoRASlots:
         slot = self._admitted.pop(req.request_id, None)
         if slot is not None:
             self._pins[slot] -= 1
+            self._empty_if_stale(slot)
         ref = self._held.pop(req.request_id, None)
         if ref is not None:
             self.host.release(ref)
@@ -183,6 +204,7 @@ class LoRASlots:
                                               self.device)
         self._buffers.write(slot, adapter)
         self._owner[slot] = ref
+        self._rank[slot] = adapter.rank
         self._slot_of[ref] = slot
         self.stats.slot_loads += 1
         return slot
@@ -203,6 +225,13 @@ class LoRASlots:
         self._owner[victim] = None
         self.stats.slot_evictions += 1
         return victim
+
+    def _empty_if_stale(self, slot: int) -> None:
+        """Empty `slot` when it holds content nobody can ask for any more and no request pins it."""
+        owner = self._owner[slot]
+        if owner is not None and self._pins[slot] == 0 and not self.host.is_registered(owner):
+            del self._slot_of[owner]
+            self._owner[slot] = None
 
     def _is_user_pinned(self, slot: int) -> bool:
         owner = self._owner[slot]

@@ -67,6 +67,9 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """What the runner returns: one sampled token per SampleRow, in the same order."""
+    """What the runner returns: one sampled token per SampleRow, in the same order.
 
-    sampled: list[SampledToken]
+    None where the row's logits were not finite: no token, and its request must fail (the engine's
+    StepIsolator does that; Scheduler.update never sees a None)."""
+
+    sampled: list[SampledToken | None]

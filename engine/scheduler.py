@@ -29,6 +29,13 @@ BASE_SLOT = -1  # the LoRA slot of a request that runs the base model alone (Sch
 AdmissionGate = Callable[[Request, set[int]], "int | None"]
 
 
+class _GateFault(Exception):
+    def __init__(self, gate: AdmissionGate, error: Exception) -> None:
+        super().__init__(str(error))
+        self.gate = gate
+        self.error = error
+
+
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
@@ -71,6 +78,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         self._lora_slots: dict[str, int] = {}  # request id -> LoRA slot it was admitted with
+        # Requests a gate raised for (request id, the gate, the error): failed and released at once, reported
+        # by whoever calls take_admission_faults (the engine), so one request's fault never stops a step.
+        self._admission_faults: list[tuple[str, AdmissionGate, Exception]] = []
         self.gates = tuple(gates)
         self.on_release = on_release
         self.holdings_check = holdings_check
@@ -143,7 +153,11 @@ class Scheduler:
         for req in self.waiting:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            slot = self._pass_gates(req, active_slots)
+            try:
+                slot = self._pass_gates(req, active_slots)
+            except _GateFault as fault:  # the request's own fault (say, an adapter that cannot be loaded)
+                self._fail_admission(req, fault.gate, fault.error)
+                continue
             if slot is None:
                 continue  # not ready (grammar compiling, adapter loading): others go ahead
             cached = self.kv.match_prefix(req)
@@ -166,15 +180,30 @@ class Scheduler:
         return budget
 
     def _pass_gates(self, req: Request, active_slots: set[int]) -> int | None:
-        """The LoRA slot `req` may start in now, or None while a gate keeps it waiting."""
+        """The LoRA slot `req` may start in now, or None while a gate keeps it waiting. A gate that
+        raises must hold nothing for `req` (the scheduler then fails the request)."""
         slot = BASE_SLOT
         for gate in self.gates:
-            placed = gate(req, active_slots)
+            try:
+                placed = gate(req, active_slots)
+            except Exception as e:  # noqa: BLE001 -- attributed to req by the caller
+                raise _GateFault(gate, e) from e
             if placed is None:
                 return None
             if placed != BASE_SLOT:
                 slot = placed
         return slot
+
+    def _fail_admission(self, req: Request, gate: AdmissionGate, error: Exception) -> None:
+        self.waiting.remove(req)
+        req.error = "an admission gate failed"
+        self._release(req, RequestStatus.FINISHED_ERROR)
+        self._admission_faults.append((req.request_id, gate, error))
+
+    def take_admission_faults(self) -> list[tuple[str, AdmissionGate, Exception]]:
+        """(request id, gate, error) of requests failed because a gate raised since the last call."""
+        faults, self._admission_faults = self._admission_faults, []
+        return faults
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: keep computed whole blocks in the prefix cache, free the rest, re-queue."""
@@ -244,6 +273,7 @@ class Scheduler:
             req = self.requests.get(row.req_id)
             if req is None:  # finished while the step ran (abort)
                 continue
+            assert sampled is not None, f"request {row.req_id} got no token (a fault the engine must isolate)"
             req.output_token_ids.append(sampled.token_id)
             if req.grammar is not None:
                 req.grammar.accept_token(sampled.token_id)
@@ -272,7 +302,8 @@ class Scheduler:
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Everything a request holds goes back: blocks (cached first), tree lock, slot pin, grammar."""
         req.status = status
-        if req.block_ids:
+        # NOTE: a request that failed leaves nothing in the prefix cache: its KV may be what went wrong.
+        if req.block_ids and status != RequestStatus.FINISHED_ERROR:
             self.kv.cache_computed_blocks(req)
         self.kv.free(req)
         self._lora_slots.pop(req.request_id, None)

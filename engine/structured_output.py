@@ -39,6 +39,9 @@ from wire.sampling import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Deepest JSON nesting (objects and arrays) of a schema a request may give; a schema nested 64 levels of
+# properties is already 128 deep here. Deeper ones are refused at submission, before any compile.
+MAX_SCHEMA_DEPTH = 256
 # What a request whose finished output failed the guard is told (the detail goes to the log, with the digest).
 GUARD_ERROR = "internal error: the constrained output did not validate against the requested schema"
 
@@ -104,13 +107,19 @@ class StructuredOutputManager:
     def submit(self, req: Request) -> None:
         """Start compiling req's grammar. Raises InvalidSamplingParams (a ValueError) naming the body's
         param ("response_format", "tools[i].function.parameters") if the spec is refused."""
+        params = req.sampling_params
+        too_deep = _too_deep(params)
+        if too_deep is not None:
+            raise InvalidSamplingParams(too_deep, f"{too_deep}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         try:
-            spec = spec_for(req.sampling_params, self.special_tokens)
+            spec = spec_for(params, self.special_tokens)
             if spec is None:
                 return
             future = self.compiler.submit(spec)
         except GrammarError as e:
-            raise InvalidSamplingParams(_refused_param(req.sampling_params, str(e)), str(e)) from None
+            raise InvalidSamplingParams(_refused_param(params, e), str(e)) from None
+        except RecursionError:  # a schema text deeper than the depth check sees (a JSON string)
+            raise InvalidSamplingParams("response_format", "the schema is nested too deeply") from None
         self._pending[req.request_id] = (req, future)
 
     def admission_gate(self, req: Request, active_slots: set[int]) -> int | None:
@@ -198,10 +207,28 @@ def _special_tokens(model_dir: str | Path) -> dict[str, int]:
     return {t.content: int(i) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
-def _refused_param(params: SamplingParams, message: str) -> str:
-    """The body param a refused grammar came from: a tool's parameters (its message starts with the
-    param), or response_format."""
-    head = message.split(":", 1)[0]
-    if params.tool_calls is not None and head.startswith("tools[") and head.endswith("].function.parameters"):
-        return head
-    return "response_format"
+def _too_deep(params: SamplingParams) -> str | None:
+    """The body param whose schema nests deeper than MAX_SCHEMA_DEPTH (iteratively: a deep document must
+    not exhaust the stack here either), or None."""
+    schemas = []
+    if isinstance(params.json_schema, dict):
+        schemas.append(("response_format", params.json_schema))
+    if params.tool_calls is not None:
+        schemas += [(f"tools[{t.index}].function.parameters", t.parameters) for t in params.tool_calls.tools]
+    for param, schema in schemas:
+        stack: list[tuple[dict | list, int]] = [(schema, 1)]
+        while stack:
+            node, depth = stack.pop()
+            if depth > MAX_SCHEMA_DEPTH:
+                return param
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return None
+
+
+def _refused_param(params: SamplingParams, error: GrammarError) -> str:
+    """The body param a refused grammar came from: the one the grammar names (a tool's parameters), else
+    the request's tools for a tool call grammar, else response_format."""
+    if error.param is not None:
+        return error.param
+    return "tools" if params.tool_calls is not None else "response_format"

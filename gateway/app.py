@@ -1,7 +1,9 @@
 """`build_app`: the gateway's Starlette app.
 
-Middleware, outermost first: x-request-id → telemetry (server span, request metrics) → error guard (no
-bare 500s) → body size limit (413) → authentication (API keys, scopes; the dashboard page loads keyless). Shared objects live in lifespan state as `request.state.gateway`.
+Middleware, outermost first: x-request-id → security headers (nosniff; CSP and frame denial on /admin) →
+telemetry (server span, request metrics) → error guard (no bare 500s) → body size limit (413) →
+authentication (API keys, scopes; the dashboard page loads keyless). Shared objects live in lifespan state
+as `request.state.gateway`.
 """
 
 from __future__ import annotations
@@ -21,16 +23,23 @@ from starlette.routing import Route
 
 from gateway.adapters.registry import AdapterRegistry, AdapterUploadConfig
 from gateway.adapters.resolver import ModelResolver
-from gateway.adapters.routes import AdapterApi, upload_body_limit
+from gateway.adapters.routes import AdapterApi, UploadLimits, upload_body_limit
 from gateway.admin.dashboard import routes as dashboard_routes
 from gateway.admin.routes import routes as admin_routes
 from gateway.admission.base import RequestAdmission, StoreUsageReporter, UsageReporter
 from gateway.admission.instrumented import InstrumentedAdmission
-from gateway.auth.backend import ApiKeyBackend, KeylessPagesBackend, on_auth_error
-from gateway.http.errors import ApiError, error_body
-from gateway.http.middleware import ErrorGuardMiddleware, RequestIdMiddleware, RouteBodySizeLimit
+from gateway.auth.backend import DASHBOARD_PATH, ApiKeyBackend, KeylessPagesBackend, on_auth_error
+from gateway.http.errors import ApiError
+from gateway.http.middleware import (
+    ErrorGuardMiddleware,
+    RequestIdMiddleware,
+    RouteBodySizeLimit,
+    SecurityHeadersMiddleware,
+)
+from gateway.http.prompt_pool import PromptPool
 from gateway.observability.telemetry import TELEMETRY_STATE_KEY, Telemetry, TelemetryMiddleware
 from gateway.observability.tracing import TracedAuthBackend
+from gateway.openai.openapi import openapi_route
 from gateway.openai.routes import routes as openai_routes
 from gateway.state import GatewayConfig, GatewayState
 from gateway.store import Store
@@ -42,12 +51,13 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
               admission: RequestAdmission, usage: UsageReporter | None = None,
               resources: Callable[[], AbstractAsyncContextManager] | None = None,
               adapter_uploads: AdapterUploadConfig | None = None,
-              telemetry: Telemetry | None = None) -> Starlette:
+              telemetry: Telemetry | None = None, prompts: PromptPool | None = None) -> Starlette:
     """The gateway app over its collaborators, each passed in (nothing is built behind the caller's back):
     `admission` is the request gate (gateway/admission/settings.py `build_admission`, the same for serve
     and tests); `usage` records final usage (default: one store write per request); `resources` (e.g. a
     worker supervisor) is entered for the app's lifetime; `telemetry` (metrics, traces, the dashboard's
-    activity window) defaults to one that exports nothing.
+    activity window) defaults to one that exports nothing; `prompts` (the threads that render and tokenize)
+defaults to `config.prompt_threads` of them.
 
     Shutdown, in order: the admission is closed (lease renewals, quota-store connections), then the engine
     client, then the usage reporter (its last flush, after every request has settled), then `resources`.
@@ -59,6 +69,7 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
         resolver=ModelResolver(store, config.served_model_name, int(time.time())),
         admission=instrumented, usage=usage or StoreUsageReporter(store),
         tool_calling=tokenizer.tool_calling(config.tool_call_parser),  # logs a warning for a template without tools
+        prompts=prompts or PromptPool(config.prompt_threads),
     )
 
     @contextlib.asynccontextmanager
@@ -90,14 +101,16 @@ def build_app(config: GatewayConfig, store: Store, engine: EngineClient, tokeniz
         else:
             message, code = str(exc.detail), None
         error = ApiError(exc.status_code, message, code=code)
-        return JSONResponse(error_body(error.message, error.error_type, None, code), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     return Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *openai_routes, *admin_routes, *dashboard_routes,
-                *AdapterApi(AdapterRegistry(store, config.adapter_root, adapter_uploads)).routes],
+        routes=[Route("/health", health, methods=["GET"]), openapi_route(), *openai_routes, *admin_routes,
+                *dashboard_routes,
+                *AdapterApi(AdapterRegistry(store, config.adapter_root, adapter_uploads, engine), config.served_model_name,
+                            UploadLimits(config.upload_read_timeout_s, config.max_concurrent_uploads)).routes],
         middleware=[
             Middleware(RequestIdMiddleware),
+            Middleware(SecurityHeadersMiddleware, admin_prefix=DASHBOARD_PATH),
             Middleware(TelemetryMiddleware, telemetry=telemetry),
             Middleware(ErrorGuardMiddleware),
             Middleware(RouteBodySizeLimit, max_bytes=config.max_body_bytes,

@@ -54,6 +54,10 @@ class GrammarLimits:
                 raise ValueError(f"GrammarLimits.{name} must be >= 1, got {getattr(self, name)}")
 
 
+# The most tokens a matcher can roll back (outlines-core keeps that many prior states per matcher).
+MAX_ROLLBACK = 4096
+
+
 class GrammarMatcher(ABC):
     """One request's position in a compiled grammar. Not thread-safe: one owner at a time.
 
@@ -77,6 +81,11 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """Nothing may follow: EOS was accepted, or the match is complete and only EOS is allowed.
         The engine finishes such a request with "stop"."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (an accepted EOS counts as one), at most
+        MAX_ROLLBACK of them; for searches over continuations (speculative drafts, tests)."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:

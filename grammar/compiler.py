@@ -21,9 +21,11 @@ from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits
 from grammar.formats import rust_regex_error
 from grammar.guard import OutputGuard
 from grammar.llguidance_backend import LLGuidanceBackend
+from grammar.locate import locate
 from grammar.normalize import NormalizedSchema, normalize_schema
 from grammar.outlines_backend import OutlinesBackend
-from grammar.spec import GrammarError, GrammarSpec
+from grammar.refs import schema_error
+from grammar.spec import BackendRefusal, GrammarError, GrammarSpec
 from grammar.tokenizer_info import TokenizerInfo
 from grammar.tool_calls import ToolCallGuard, ToolCallsSpec, normalize_tool_calls
 
@@ -103,8 +105,15 @@ class GrammarCompiler:
         return None
 
     def _build(self, spec: GrammarSpec, normalized: NormalizedSchema | None) -> CompiledGrammar:
-        """Pool thread: compile, attach the output guard and the normalization report."""
-        compiled = self.backend.compile(spec, None if normalized is None else normalized.schema)
+        """Pool thread: compile, attach the output guard and the normalization report. A backend's own
+        refusal of a JSON schema is re-raised naming the pointer it concerns."""
+        try:
+            compiled = self.backend.compile(spec, None if normalized is None else normalized.schema)
+        except BackendRefusal as e:
+            if spec.kind != "json_schema" or normalized is None:
+                raise
+            pointer, detail = locate(e.detail, normalized.schema, normalized.report.def_pointers)
+            raise schema_error(pointer, f"refused by the {e.backend} backend: {detail}") from None
         compiled.guard = ToolCallGuard(spec) if spec.kind == "tool_calls" else OutputGuard(spec)
         compiled.report = None if normalized is None else normalized.report
         return compiled

@@ -5,7 +5,9 @@ sent, not from the normalized schema the backend compiled, so it also catches a 
 covers what the grammar only approximates (uniqueItems, the "regex" format). JSON schemas are checked
 by python-jsonschema in the schema's own draft with its format checker (the format-nongpl extra
 supplies date-time, hostname, uri, ...); choice grammars by membership; json_object by parsing.
-Regex grammars are not re-checked: Python's `re` is not the Rust dialect the grammar compiled.
+Regex grammars are re-checked with a full match by the `regex` module where the pattern keeps to the
+syntax it shares with the Rust dialect the grammar compiled (`rechecks_regex`); a pattern with Rust-only
+syntax (class set operations, POSIX classes, inline flags) is not re-checked.
 
 A failure here means the grammar admitted something the spec does not: a bug. The caller counts it,
 logs it with `digest`, and fails the request instead of returning the text.
@@ -74,6 +76,16 @@ def schema_validator(schema: dict) -> Any:
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+# Rust regex syntax that the `regex` module reads otherwise (or not at all): no re-check for these.
+_RUST_ONLY = ("[[", "&&", "--", "~~", "\\z", "\\A", "\\Q")
+_INLINE_GROUP = re.compile(r"\(\?(?!:)")
+
+
+def rechecks_regex(pattern: str) -> bool:
+    """Whether the guard re-checks outputs of this regex grammar (it reads the same in both dialects)."""
+    return not any(token in pattern for token in _RUST_ONLY) and not _INLINE_GROUP.search(pattern)
+
+
 class OutputGuard:
     """Validates finished outputs of one spec. Thread-safe after construction; `check` mutates nothing.
 
@@ -85,15 +97,23 @@ class OutputGuard:
         self.digest = hashlib.sha256(f"{spec.kind}:{spec.value}".encode()).hexdigest()[:16]
         self._validator: Any = None
         self._choices: frozenset[str] = frozenset()
+        self._regex: Any = None
         if spec.kind in ("json_schema", "json_object"):
             self._validator = schema_validator(spec.schema())
         elif spec.kind == "choice":
             self._choices = frozenset(spec.choices())
+        elif spec.kind == "regex" and rechecks_regex(spec.value):
+            try:
+                self._regex = regex.compile(spec.value)
+            except regex.error:  # valid Rust syntax the regex module does not read: not re-checked
+                self._regex = None
 
     def check(self, text: str) -> str | None:
         """None if `text` satisfies the spec, else why not (short; no instance data beyond a path)."""
         if self.kind == "choice":
             return None if text in self._choices else "the output is not one of the choices"
+        if self._regex is not None:
+            return None if self._regex.fullmatch(text) else "the output does not match the regex"
         if self._validator is None:
             return None
         try:

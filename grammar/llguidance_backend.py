@@ -18,7 +18,7 @@ import llguidance
 import torch
 
 from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
-from grammar.spec import GrammarError, GrammarSpec, canonical_json
+from grammar.spec import BackendRefusal, GrammarSpec, canonical_json
 from grammar.tokenizer_info import TokenizerInfo
 from grammar.tool_calls import tool_calls_lark
 
@@ -81,6 +81,10 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
@@ -114,8 +118,9 @@ class LLGuidanceBackend(GrammarBackend):
     supported_formats = frozenset(
         {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
     )
-    # Sampling found "2431-11-30t12:29:60z": a leap second outside 23:59 UTC, which RFC 3339 checkers refuse.
-    approximate_formats = frozenset({"date-time", "time"})
+    # Sampling found "2431-11-30t12:29:60z": a leap second outside 23:59 UTC, which RFC 3339 checkers refuse;
+    # and a hostname of four 63-byte labels (255 bytes): llguidance bounds the labels, not the 253-byte total.
+    approximate_formats = frozenset({"date-time", "time", "hostname"})
     supports_recursive_ref = True
 
     def __init__(self, tokenizer_info: TokenizerInfo, limits: GrammarLimits) -> None:
@@ -144,11 +149,19 @@ class LLGuidanceBackend(GrammarBackend):
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.as_regex())
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits())
         if template.is_error():
-            raise GrammarError(f"{spec.kind} refused by llguidance: {template.get_error()}")
+            raise BackendRefusal(spec.kind, self.name, self._with_limit(template.get_error()))
         # warnings mean something was approximated: strict mode refuses them
         if template.get_grammar_warnings():
-            raise GrammarError(f"{spec.kind} refused by llguidance: {'; '.join(template.get_grammar_warnings())}")
+            raise BackendRefusal(spec.kind, self.name, "; ".join(template.get_grammar_warnings()))
         return LLGuidanceGrammar(spec, self, template)
+
+    def _with_limit(self, error: str) -> str:
+        """llguidance's error, naming the GrammarLimits field where it is over one of ours."""
+        if "grammar size" in error:
+            return f"{error} (GrammarLimits.max_grammar_symbols = {self.limits.max_grammar_symbols})"
+        if "lexer" in error and "states" in error:
+            return f"{error} (GrammarLimits.max_states = {self.limits.max_states})"
+        return error
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:

@@ -48,11 +48,14 @@ class NormalizeReport:
     ignored_formats: unknown `format` values dropped as annotations, by value.
     approximations: keywords the grammar over-approximates (the output guard enforces), by keyword.
     rewrites: rewrites applied, by kind ("dependencies", "oneOf->anyOf", "not", ...).
+    def_pointers: for each `$defs` entry of the output, the pointer of the subschema it came from (so
+        that a backend's refusal in the output can be pointed at in the input: grammar/locate.py).
     """
 
     ignored_formats: Counter[str] = field(default_factory=Counter)
     approximations: Counter[str] = field(default_factory=Counter)
     rewrites: Counter[str] = field(default_factory=Counter)
+    def_pointers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class Normalizer:
                                           f"{self.limits.max_ref_depth} (GrammarLimits.max_ref_depth)")
             name = f"d{len(self._names)}"
             self._names[key] = name
+            self.report.def_pointers[name] = pointer
             self._open.append(key)
             try:
                 self.defs[name] = self.node(target, pointer, inner)
@@ -225,9 +229,10 @@ class Normalizer:
         if "unevaluatedProperties" in raw:
             rewrites.unevaluated_properties(self, raw, raw["unevaluatedProperties"], pointer, base, out)
         if conj:
-            out = _conjoin([out, *conj])
-            if out is False or out is True:
-                return out
+            joined = _conjoin([out, *conj])
+            if joined is False or joined is True:
+                return joined
+            out = joined
         self.check_backend(out, pointer, origin)
         self.check_bounds(out, pointer)
         return out

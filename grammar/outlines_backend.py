@@ -12,14 +12,14 @@ import outlines_core
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
-from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
-from grammar.spec import GrammarError, GrammarSpec, canonical_json
+from grammar.backend import MAX_ROLLBACK, CompiledGrammar, GrammarBackend, GrammarLimits, GrammarMatcher
+from grammar.spec import BackendRefusal, GrammarError, GrammarSpec, canonical_json
 from grammar.tokenizer_info import TokenizerInfo
 
 
 class OutlinesMatcher(GrammarMatcher):
     def __init__(self, index: outlines_core.Index, grammar: OutlinesGrammar) -> None:
-        self._guide = outlines_core.Guide(index)
+        self._guide = outlines_core.Guide(index, max_rollback=MAX_ROLLBACK)
         self._eos = grammar.backend.tokenizer_info.eos_token_ids
         self.backend = grammar.backend
         self.grammar = grammar
@@ -36,6 +36,13 @@ class OutlinesMatcher(GrammarMatcher):
         except ValueError:  # no transition: the state is unchanged
             return False
         return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:  # the EOS that terminated it never entered the guide
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens:
+            self._guide.rollback_state(num_tokens)
 
     def is_accepting(self) -> bool:
         return self._terminated or self._guide.is_finished()
@@ -107,7 +114,7 @@ class OutlinesBackend(GrammarBackend):
                 regex = spec.as_regex()
             index = outlines_core.Index(regex, self._vocabulary)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise GrammarError(f"{spec.kind} refused by outlines-core: {e}") from None
+            raise BackendRefusal(spec.kind, "outlines-core", str(e)) from None
         states = len(index.get_transitions())
         if states > self.limits.max_states:
             raise GrammarError(

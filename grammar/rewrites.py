@@ -59,13 +59,14 @@ def _kind_of(value: Any) -> str:
         return "integer"
     if isinstance(value, float):
         return "fraction"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
+    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return names[type(value)]
 
 
 def _types_for(kinds: set[str]) -> list[str]:
     """The type list admitting exactly `kinds`; None if no list does (integer without fractions is fine,
     fractions without integers are not expressible)."""
-    names = [t for t in ("object", "array", "string", "boolean", "null") if t in kinds]
+    names: list[str] = [t for t in ("object", "array", "string", "boolean", "null") if t in kinds]
     if {"integer", "fraction"} <= kinds:
         names.append("number")
     elif "integer" in kinds:
@@ -87,7 +88,7 @@ def _only(kinds: set[str]) -> dict | bool:
 def dependencies(n: Normalizer, key: str, value: Any, where: str, base: str) -> list[Any]:
     if not isinstance(value, dict):
         raise schema_error(where, f"{key!r} must be an object")
-    out = []
+    out: list[Any] = []
     for name, dep in value.items():
         at = child_pointer(where, name)
         absent = {"properties": {name: False}}
@@ -148,7 +149,7 @@ def _facts(n: Normalizer, raw: Any, pointer: str, base: str, facts: _Facts, dept
             facts.kinds &= {_kind_of(v) for v in values}
     if isinstance(raw.get("required"), list):
         facts.required |= {r for r in raw["required"] if isinstance(r, str)}
-    props = raw.get("properties") if isinstance(raw.get("properties"), dict) else {}
+    props: dict[str, Any] = raw["properties"] if isinstance(raw.get("properties"), dict) else {}
     for name, sub in props.items():
         sub, _, _ = n.resolve(sub, child_pointer(pointer, name), base)
         if sub is False:

@@ -23,7 +23,24 @@ class GrammarError(ValueError):
 
     The message names the offending keyword and its JSON pointer where there is one, e.g.
     "unsupported keyword 'uniqueItems' at #/properties/tags (backend llguidance ignores it)".
+    `param` names the request field the refused part came from where the grammar knows it (a tool call
+    grammar: "tools[2].function.parameters"); None leaves it to the caller.
     """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class BackendRefusal(GrammarError):
+    """A backend's own refusal while compiling (not found by normalization): `detail` is its message.
+    GrammarCompiler turns one for a JSON schema into a GrammarError that names the pointer it concerns
+    (grammar/locate.py)."""
+
+    def __init__(self, kind: str, backend: str, detail: str) -> None:
+        super().__init__(f"{kind} refused by {backend}: {detail}")
+        self.backend = backend
+        self.detail = detail
 
 
 def canonical_json(value: Any) -> str:

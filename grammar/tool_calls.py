@@ -100,7 +100,7 @@ class ToolCallsSpec:
 
 def normalize_tool_calls(spec: ToolCallsSpec, normalize: Callable[[dict], NormalizedSchema]) -> NormalizedSchema:
     """Every tool's parameters (and the answer schema) through `normalize`: the strictness of
-    response_format. Raises GrammarError whose message starts with the param of the refused schema.
+    response_format. Raises GrammarError whose `param` (and message start) names the refused schema.
     Returns {"tools": [normalized schema per tool], "answer": normalized answer or None} and the merged
     report."""
     from grammar.normalize import NormalizedSchema, NormalizeReport
@@ -111,7 +111,8 @@ def normalize_tool_calls(spec: ToolCallsSpec, normalize: Callable[[dict], Normal
         try:
             done = normalize(tool.schema)
         except GrammarError as e:
-            raise GrammarError(f"tools[{tool.index}].function.parameters: {e}") from None
+            param = f"tools[{tool.index}].function.parameters"
+            raise GrammarError(f"{param}: {e}", param=param) from None
         schemas.append(done.schema)
         _merge(report, done.report)
     answer = None
@@ -119,7 +120,7 @@ def normalize_tool_calls(spec: ToolCallsSpec, normalize: Callable[[dict], Normal
         try:
             done = normalize(spec.answer_schema)
         except GrammarError as e:
-            raise GrammarError(f"response_format: {e}") from None
+            raise GrammarError(f"response_format: {e}", param="response_format") from None
         answer = done.schema
         _merge(report, done.report)
     return NormalizedSchema({"tools": schemas, "answer": answer}, report)

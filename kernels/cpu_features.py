@@ -7,10 +7,14 @@ without it torch emulates bf16 and float32 is both faster and exact.
 
     default_cpu_dtype()   torch.bfloat16 or torch.float32, for EngineConfig's dtype="auto" on CPU
     cpu_dtype_reason()    e.g. "bfloat16: the CPU has native bf16 (avx512_bf16)", for the start-up log
+
+An operator (or a test suite whose references are float32) pins the CPU default for a whole process tree
+with LORAPLEX_CPU_DTYPE=float32|bfloat16; an explicit --dtype still wins over both.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +23,8 @@ from pathlib import Path
 import torch
 
 CPUINFO = Path("/proc/cpuinfo")
+CPU_DTYPE_ENV = "LORAPLEX_CPU_DTYPE"
+PINNABLE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Flags that mean bf16 arithmetic in hardware: x86 AVX512-BF16 / AMX-BF16 (Linux names), Arm FEAT_BF16.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ARM_BF16_FLAGS = ("bf16",)
@@ -72,13 +78,27 @@ def bf16_support(cpuinfo: str | None = None, machine: str | None = None) -> CpuB
     return CpuBf16Support(bool(present), present, "/proc/cpuinfo")
 
 
+def pinned_cpu_dtype() -> torch.dtype | None:
+    """The dtype LORAPLEX_CPU_DTYPE pins, or None; an unknown value is an error, not a silent default."""
+    value = os.environ.get(CPU_DTYPE_ENV, "").strip()
+    if not value:
+        return None
+    if value not in PINNABLE:
+        raise ValueError(f"{CPU_DTYPE_ENV} must be one of {', '.join(PINNABLE)}, got {value!r}")
+    return PINNABLE[value]
+
+
 def default_cpu_dtype() -> torch.dtype:
     """The dtype a CPU engine should default to: bfloat16 with native bf16, float32 elsewhere."""
-    return bf16_support().dtype
+    pinned = pinned_cpu_dtype()
+    return pinned if pinned is not None else bf16_support().dtype
 
 
 def cpu_dtype_reason() -> str:
     """One line for the start-up log: the default CPU dtype and why."""
+    pinned = pinned_cpu_dtype()
+    if pinned is not None:
+        return f"{str(pinned).removeprefix('torch.')}: pinned by {CPU_DTYPE_ENV}"
     return bf16_support().reason
 
 

@@ -10,6 +10,7 @@ transaction); SqliteUsageLedger is the embedded default.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Mapping
@@ -40,7 +41,10 @@ class SqliteUsageLedger:
 
     def __init__(self, path: str | Path) -> None:
         self._path = Path(path)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # NOTE: owner-only before SQLite opens it (its -wal and -shm files take the database file's mode)
+        os.close(os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(self._path, 0o600)
         self._writer = self._connect()
         self._writer.execute("PRAGMA journal_mode=WAL")
         self._writer.execute(

@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
 
 from demo.checkpoint import FAMILIES, TinyModelSpec, make_checkpoint, train_tokenizer  # noqa: E402
 
+# The references the engine is checked against (transformers, peft, fp32 math) are float32; on a CPU with
+# native bf16 dtype="auto" would pick bfloat16, so the suite pins the CPU default for itself and every
+# worker process it starts. tests/kernels/test_cpu_features.py checks the unpinned rule.
+os.environ.setdefault("LORAPLEX_CPU_DTYPE", "float32")
+
 # Tiny models gain nothing from intra-op threads, and the suite runs one process per core.
 torch.set_num_threads(1)
 

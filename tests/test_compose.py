@@ -105,8 +105,18 @@ def test_the_topology_the_issue_asks_for(compose):
     assert sorted(targets) == sorted(f"{g}:8000" for g in gateways)
     collector = yaml.safe_load((REPO / "deploy/otel-collector.yaml").read_text())
     assert collector["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
-    assert services["gateway-1"]["build"] == "."
-    assert 'ENTRYPOINT ["loraplex"]' in (REPO / "Dockerfile").read_text()
+    build = services["gateway-1"]["build"]
+    assert build["context"] == "." and interpolate(build["network"]) == "default"
+    # the image's base and torch source are build arguments, today's defaults for real deployments
+    assert {k: interpolate(v) for k, v in build["args"].items()} == {"BASE_IMAGE": "python:3.11-slim",
+                                                                    "TORCH_INDEX_URL": ""}
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["loraplex"]' in dockerfile
+    assert all(f"ARG {name}" in dockerfile for name in build["args"])
+    # the stand-ins for a machine without a registry are opt-in: the defaults are the upstream images
+    assert interpolate(services["redis"]["image"]) == "redis:7-alpine"
+    assert interpolate(services["load-balancer"]["image"]) == "nginx:1.27-alpine"
+    assert "name" not in compose  # Debian's docker-compose 1.29 rejects a top-level name
 
 
 def test_every_loraplex_variable_is_one_the_cli_reads(compose):
@@ -167,3 +177,10 @@ def test_the_image_copies_every_package():
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = set(re.findall(r"^COPY (\w+) \./\1$", (REPO / "Dockerfile").read_text(), re.MULTILINE))
     assert packages <= copied, f"the Dockerfile does not copy {sorted(packages - copied)}"
+    # .dockerignore is an allow-list: everything the Dockerfile copies from the context must be let in
+    allowed = {line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    sources = {src.rstrip("/") for src in re.findall(r"^COPY (?!--from)(\S+(?: \S+)*) \S+$",
+                                                   (REPO / "Dockerfile").read_text(), re.MULTILINE)
+               for src in src.split()}
+    assert sources and sources <= allowed, f".dockerignore leaves out {sorted(sources - allowed)}"

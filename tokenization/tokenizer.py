@@ -34,6 +34,18 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+GIL_FREE_CHARS = 16_384  # texts at least this long are encoded with the GIL released
+
+
+def _encode_ids(tok: HFTokenizer, text: str) -> list[int]:
+    """`text`'s token ids, no special tokens added. NOTE: `encode_batch` releases the GIL while the Rust
+    side works (`encode` holds it throughout), so a long prompt tokenized in a thread leaves the event
+    loop running; short texts take `encode`, which costs less."""
+    if len(text) < GIL_FREE_CHARS:
+        return tok.encode(text, add_special_tokens=False).ids
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 class Tokenizer:
     """Encode, decode and render chat prompts the way the checkpoint's own files say.
 
@@ -96,14 +108,14 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = _encode_ids(self._tok, text)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
     def encode_text(self, text: str) -> list[int]:
         """`text` as plain text: the control tokens' strings in it are split into ordinary tokens."""
-        return self._plain_text_tokenizer().encode(text, add_special_tokens=False).ids
+        return _encode_ids(self._plain_text_tokenizer(), text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = [i for i in ids if 0 <= i < self.vocab_size]  # padded model vocab rows decode to nothing
@@ -123,15 +135,15 @@ class Tokenizer:
         template writes it, so nothing is added. Raises ChatTemplateError."""
         text = self._render_marked(messages, tools, add_generation_prompt, template_kwargs)
         if not self.control_tokens.has_markers(text):
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return _encode_ids(self._tok, text)
         ids: list[int] = []
         for piece, is_control in self.control_tokens.split(text):
             if is_control:
-                ids += self._tok.encode(piece, add_special_tokens=False).ids
+                ids += _encode_ids(self._tok, piece)
             elif self.control_tokens.has_markers(piece):
                 ids += self.encode_text(self.control_tokens.restore(piece))
             else:
-                ids += self._tok.encode(piece, add_special_tokens=False).ids
+                ids += _encode_ids(self._tok, piece)
         return ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -13,13 +13,17 @@ HTTP endpoints of a worker (worker/server.py), each behind the `WORKER_SECRET_HE
     POST /abort     {"request_id": str} -> {"aborted": bool}
     GET  /state     -> WorkerState
     GET  /health    -> {"status": "ok"}
+    POST /adapters/unload  {"sha256": str} -> {"unloaded": bool}: new requests for that adapter load it
+                    again; its device slot and host memory are freed once no running request uses it
+    GET  /metrics   -> Prometheus text (worker/metrics.py); the secret may also come as a bearer token,
+                    and a worker started with --public-metrics serves it without one
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from wire.errors import RequestError
@@ -186,6 +190,25 @@ def _sample_json(s: SampleDelta) -> dict[str, Any]:
     return out
 
 
+ADAPTER_LEVELS = ("gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class AdapterResidency:
+    """Where one adapter's weights are held on a worker: `gpu` in a device slot, `cpu` only in the host
+    cache (an adapter in neither is not listed). `name` is the engine's name for it (a worker names
+    adapters by their sha256)."""
+
+    name: str
+    level: str
+    rank: int
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.level not in ADAPTER_LEVELS:
+            raise ProtocolError(f"adapter level must be one of {ADAPTER_LEVELS}, got {self.level!r}")
+
+
 @dataclass(frozen=True)
 class WorkerState:
     """Load and cache state of one worker, for routing and the admin dashboard."""
@@ -203,6 +226,16 @@ class WorkerState:
     adapter_loads: int = 0  # adapters copied into a device slot since the worker started
     adapter_evictions: int = 0  # resident adapters replaced to make room since the worker started
     weight_bytes: int = 0  # resident bytes of the base model's weights (packed when quantized)
+    block_size: int = 0  # tokens per KV block
+    max_loras: int = 0  # device slots: distinct adapters one step can run
+    running_adapters: list[str] = field(default_factory=list)  # sha256 of adapters of running requests
+    waiting_adapters: list[str] = field(default_factory=list)  # ... of waiting requests
+    adapter_residency: list[AdapterResidency] = field(default_factory=list)  # each adapter held in memory
+    num_preemptions: int = 0  # requests preempted (KV ran out) since the worker started
+    adapter_host_loads: int = 0  # adapter directories read into host memory since the worker started
+    adapter_host_evictions: int = 0  # host-memory adapter entries dropped to stay within capacity
+    faulted_steps: int = 0  # engine steps that raised and were re-run without the requests at fault
+    isolated_failures: int = 0  # requests failed alone by a fault attributed to them
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,7 +243,11 @@ class WorkerState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerState:
         # NOTE: fields with defaults may be absent (a worker of an older build).
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING})
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data or (
+            f.default is MISSING and f.default_factory is MISSING)}
+        if "adapter_residency" in values:
+            values["adapter_residency"] = [AdapterResidency(**a) for a in values["adapter_residency"]]
+        return cls(**values)
 
 
 StreamMessage = GenerateDelta | RequestError

@@ -16,6 +16,10 @@ MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20  # top-N logprobs per sampled token
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
 MAX_CONSTRAINED_TOOLS = 128
+MAX_STOP_TOKEN_IDS = 1024
+# Seeds are what torch.Generator.manual_seed takes as one unsigned 64-bit value; larger or negative ones
+# are refused here, before any engine step (a seed the generator refuses would fail inside the step).
+MAX_SEED = 2**64 - 1
 TOOL_MODES = ("auto", "required")
 
 
@@ -135,7 +139,9 @@ class SamplingParams:
             (-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
             (all(p.stop), "stop", "stop strings must be non-empty"),
+            (p.seed is None or 0 <= p.seed <= MAX_SEED, "seed", "must be in [0, 2**64 - 1]"),
             (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "token ids must be >= 0"),
+            (len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"may list at most {MAX_STOP_TOKEN_IDS} ids"),
             (p.choice is None or (len(p.choice) > 0 and all(p.choice)), "choice",
              "must list at least one non-empty option"),
         ]

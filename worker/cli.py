@@ -5,7 +5,7 @@ reads from LORAPLEX_WORKER_SECRET (never from the command line, where `ps` would
 can also be set with a LORAPLEX_* environment variable (the flag wins): --model (LORAPLEX_MODEL),
 --served-model-name (LORAPLEX_SERVED_MODEL_NAME), --host (LORAPLEX_HOST), --port (LORAPLEX_PORT),
 --otlp-endpoint (LORAPLEX_OTLP_ENDPOINT), --register-redis-url (LORAPLEX_REGISTER_REDIS_URL),
---advertise-url (LORAPLEX_ADVERTISE_URL).
+--advertise-url (LORAPLEX_ADVERTISE_URL), --public-metrics (LORAPLEX_PUBLIC_METRICS=1).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                        help=f"port to listen on (default {DEFAULT_PORT})")
     group.add_argument("--otlp-endpoint", default=env.get("LORAPLEX_OTLP_ENDPOINT") or None,
                        help="export OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://host:4318)")
+    group.add_argument("--public-metrics", action="store_true",
+                       default=env.get("LORAPLEX_PUBLIC_METRICS", "").lower() in ("1", "true", "yes"),
+                       help="serve GET /metrics without the worker secret (for an endpoint picker that scrapes "
+                            "without credentials; every other route still needs the secret)")
     engine = parser.add_argument_group("engine options")
     add_engine_options(engine)
     registration = parser.add_argument_group("registration options (worker discovery through Redis)")
@@ -87,11 +91,15 @@ def run(args: argparse.Namespace) -> int:
         tracer_provider = build_tracer_provider(args.otlp_endpoint)
     except ValueError as e:
         raise WorkerCommandError(str(e)) from None
-    llm = AsyncLLM.from_config(config)
+    from worker.server import exit_on_engine_fault
+
+    llm = AsyncLLM.from_config(config, on_fatal=exit_on_engine_fault)
+    print(f"{PROG}: compute dtype {config.dtype_reason(llm.model_config)}", file=sys.stderr, flush=True)
     served_name = args.served_model_name or Path(args.model).name
     run_worker(llm, served_name, secret, WorkerCapabilities.of_engine(config), host=args.host,
                port=args.port or DEFAULT_PORT, tracer_provider=tracer_provider,
-               background=(lambda service: heartbeat.run(service.state)) if heartbeat else None)
+               background=(lambda service: heartbeat.run(service.state)) if heartbeat else None,
+               public_metrics=args.public_metrics)
     return 0
 
 

@@ -1,8 +1,8 @@
 """The engine worker: an AsyncLLM behind an internal HTTP service (protocol in wire/protocol.py).
 
-`WorkerService` is the transport-free part (adapter loading, capability checks; the engine's deltas
-pass through as they are); the gateway's in-process client uses it directly, and `build_worker_app`
-serves it over HTTP with a shared secret. A failed request raises (in process) or ends its NDJSON stream
+`WorkerService` is the transport-free part (adapter loading and unloading, capability checks; the
+engine's deltas pass through as they are); the gateway's in-process client uses it directly, and
+`build_worker_app` serves it over HTTP with a shared secret, plus `/metrics` (worker/metrics.py). A failed request raises (in process) or ends its NDJSON stream
 with (over HTTP) one wire.errors.RequestError. A client that disconnects from `/generate` aborts its
 request in the engine.
 
@@ -16,6 +16,9 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import signal
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 import anyio
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,6 +47,7 @@ from wire.protocol import (
     encode_message,
 )
 from worker.capabilities import WorkerCapabilities
+from worker.metrics import worker_metrics_registry
 from worker.tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
@@ -111,6 +116,8 @@ class WorkerService:
         await self.llm.abort(request_id)
 
     def state(self) -> WorkerState:
+        """The engine loop's latest snapshot (never touches the engine itself). Adapters are named by
+        their sha256, the engine's name for them."""
         s = self.llm.stats()
         return WorkerState(
             num_running=s.num_running, num_waiting=s.num_waiting, num_kv_blocks=s.num_kv_blocks,
@@ -118,8 +125,25 @@ class WorkerService:
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_cache_blocks=s.prefix_cache_blocks, resident_adapters=sorted(self._adapters),
             model=self.model_name, adapter_loads=s.lora_slot_loads, adapter_evictions=s.lora_slot_evictions,
-            weight_bytes=s.weight_bytes,
+            weight_bytes=s.weight_bytes, block_size=s.block_size, max_loras=self.capabilities.max_loras,
+            running_adapters=list(s.lora_running_adapters), waiting_adapters=list(s.lora_waiting_adapters),
+            adapter_residency=list(s.lora_residency), num_preemptions=s.num_preemptions,
+            adapter_host_loads=s.lora_host_loads, adapter_host_evictions=s.lora_host_evictions,
+            faulted_steps=s.faulted_steps, isolated_failures=s.isolated_failures,
         )
+
+    async def unload_adapter(self, sha256: str) -> bool:
+        """Forget the adapter with this content (its tenant deleted it): a later request naming it loads it
+        again from its files; requests running on it finish, then its device slot and host memory are
+        freed. False when it was not loaded here."""
+        if not self.supports_adapters:
+            return False
+        lock = self._adapter_locks.setdefault(sha256, asyncio.Lock())
+        async with lock:  # NOTE: not while a load of the same content is in progress
+            if self._adapters.pop(sha256, None) is None:
+                return False
+            await self.llm.call_in_loop(lambda engine: engine.unload_adapter(sha256))
+        return True
 
     async def _adapter_ref(self, spec: AdapterSpec) -> AdapterRef:
         """Load the adapter once per content hash (the engine's name for it is its sha256). Raises
@@ -187,15 +211,23 @@ class NdjsonStream(Response):
 
 
 def build_worker_app(service: WorkerService, secret: str,
-                     background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None) -> Starlette:
-    """The worker's HTTP app. Every route needs the shared secret in `WORKER_SECRET_HEADER`.
+                     background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None, *,
+                     public_metrics: bool = False) -> Starlette:
+    """The worker's HTTP app. Every route needs the shared secret in `WORKER_SECRET_HEADER`; `/metrics`
+    also takes it as a bearer token (how Prometheus sends credentials), or none with `public_metrics`
+    (for an endpoint picker that scrapes without credentials: keep the port on a private network).
     `background(service)` (e.g. a registration heartbeat) runs while the app serves, cancelled at shutdown."""
     if not secret:
         raise ValueError("a worker needs a non-empty shared secret")
+    metrics_registry = worker_metrics_registry(service.state)
 
     def authorized(request: Request) -> bool:
         presented = request.headers.get(WORKER_SECRET_HEADER, "")
         return hmac.compare_digest(presented.encode(), secret.encode())
+
+    def bearer_authorized(request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), secret.encode())
 
     def refuse() -> JSONResponse:
         return JSONResponse({"error": "missing or wrong worker secret"}, status_code=401)
@@ -236,6 +268,22 @@ def build_worker_app(service: WorkerService, secret: str,
             return refuse()
         return JSONResponse({"status": "ok", "model": service.model_name})
 
+    async def unload_adapter(request: Request) -> Response:
+        if not authorized(request):
+            return refuse()
+        try:
+            sha = (await request.json())["sha256"]
+            if not isinstance(sha, str) or not sha:
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": "body must be {\"sha256\": str}"}, status_code=400)
+        return JSONResponse({"unloaded": await service.unload_adapter(sha)})
+
+    async def metrics(request: Request) -> Response:
+        if not (public_metrics or authorized(request) or bearer_authorized(request)):
+            return refuse()
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = asyncio.get_running_loop().create_task(background(service)) if background else None
@@ -252,18 +300,39 @@ def build_worker_app(service: WorkerService, secret: str,
         Route("/abort", abort, methods=["POST"]),
         Route("/state", state, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/adapters/unload", unload_adapter, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan)
+
+
+FATAL_EXIT_GRACE_S = 10.0  # after an unattributable engine fault: time for in-flight error lines to go out
+FATAL_EXIT_CODE = 70
+
+
+def exit_on_engine_fault(error: BaseException) -> None:
+    """AsyncLLM's on_fatal for a worker process: every request in flight has been failed; stop serving
+    so that the process exits and its supervisor (or Kubernetes) starts a fresh one. uvicorn shuts down
+    as on SIGTERM (the error lines in flight go out) and then ends the process with that signal; a
+    shutdown that hangs ends it with FATAL_EXIT_CODE."""
+    log.critical("engine fault not attributable to a request (%.300s); the worker exits", error)
+    os.kill(os.getpid(), signal.SIGTERM)
+    # A backstop: should a connection keep the graceful shutdown waiting, leave anyway.
+    backstop = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(FATAL_EXIT_CODE,))
+    backstop.daemon = True
+    backstop.start()
 
 
 def run_worker(llm: AsyncLLM, model_name: str, secret: str, capabilities: WorkerCapabilities,
                host: str = "127.0.0.1", port: int = 8001, tracer_provider: SdkTracerProvider | None = None,
-               background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None) -> None:
+               background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None,
+               public_metrics: bool = False) -> None:
     """Serve until interrupted (blocking). Loopback by default: the secret is not a substitute for a
     private network. `tracer_provider` (its spans exported by the caller's setup) is shut down at exit.
-    `capabilities` as in `WorkerService`, `background` as in `build_worker_app`."""
+    `capabilities` as in `WorkerService`, `background` and `public_metrics` as in `build_worker_app`."""
     import uvicorn
 
-    app = build_worker_app(WorkerService(llm, model_name, capabilities, tracer_provider), secret, background)
+    app = build_worker_app(WorkerService(llm, model_name, capabilities, tracer_provider), secret, background,
+                           public_metrics=public_metrics)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:

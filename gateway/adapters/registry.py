@@ -2,6 +2,7 @@
 
     registry.ingest(tenant, name, description, archive, work_dir) -> AdapterRecord
     registry.delete(tenant, name)                                  -> deleted AdapterRecords
+    await registry.unload_from_workers(deleted)                    -> workers forget content no one uses
 
 An upload is unpacked and validated (the engine loader's own checks: safetensors only, shapes and target
 modules against the served model, rank <= the workers' max_lora_rank, finite values) inside a work
@@ -11,6 +12,8 @@ file nor a record; the caller removes the work directory.
 
 Per-tenant limits are the tenant's TenantPolicy fields `max_adapters` (live versions) and
 `max_adapter_bytes` (their stored bytes), defaults included: the same parsed policy admission enforces.
+The store checks them in the same atomic write that records the version (Store.add_adapter_version with
+`limits`), so they hold exactly across gateway replicas sharing a store.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from starlette.concurrency import run_in_threadpool
+
 from adapters.adapter_files import REQUIRED_ADAPTER_FILES
 from adapters.archive import ArchiveLimits, unpack_adapter_archive
 from adapters.errors import AdapterError
 from adapters.peft_format import validate_peft_adapter
 from adapters.storage import AdapterStorage
 from gateway.http.errors import ApiError
-from gateway.store import AdapterRecord, Store, Tenant
+from gateway.store import AdapterRecord, AdapterTotals, Store, Tenant
+from gateway.store.base import AdapterLimitExceeded, AdapterLimits
+from gateway.workers.client import EngineClient
 from wire.checkpoint import ModelConfig
 
 DEFAULT_MAX_UPLOAD_BYTES = 2 << 30  # one uploaded archive
@@ -60,14 +67,18 @@ def adapter_quota_exceeded(message: str) -> ApiError:
 class AdapterRegistry:
     """The tenant-facing side of adapters: uploads, deletes, and the files behind the records.
 
-    NOTE: `_commit_lock` serialises the quota check, the storage write, the record and the removal of
-    unreferenced files, so two uploads of one tenant cannot both squeeze under a limit and a delete never
-    removes a file a concurrent upload is about to reference. It covers one gateway process; replicas
-    sharing a store can overshoot a limit by the uploads they commit at the same moment.
+    NOTE: the limits need no lock: the store checks them atomically with the insert. `_commit_lock`
+    serialises the storage write, the record and the removal of unreferenced files within this process,
+    so a delete here never removes a file a concurrent upload here is about to reference.
+
+    `engine` (every worker behind this gateway) is told to unload content whose last live record was
+    deleted; None: nothing to tell (a gateway without workers of its own).
     """
 
-    def __init__(self, store: Store, adapter_root: Path, config: AdapterUploadConfig | None) -> None:
+    def __init__(self, store: Store, adapter_root: Path, config: AdapterUploadConfig | None,
+                 engine: EngineClient | None = None) -> None:
         self.store = store
+        self.engine = engine
         self.config = config  # None: this gateway lists and deletes adapters but takes no uploads
         self.storage = AdapterStorage(adapter_root)
         self._commit_lock = threading.Lock()
@@ -104,8 +115,9 @@ class AdapterRegistry:
         except AdapterError as e:
             raise invalid_adapter(str(e)) from None
         stored_bytes = sum((unpacked / f).stat().st_size for f in REQUIRED_ADAPTER_FILES)  # what storage keeps
+        limits = AdapterLimits(max_count=tenant.policy.max_adapters, max_bytes=tenant.policy.max_adapter_bytes)
         with self._commit_lock:
-            self._check_limits(tenant, stored_bytes)
+            self._check_limits(tenant, self.store.adapter_totals(tenant.id), stored_bytes)  # early, not binding
             existed = self.storage.exists(manifest.sha256)
             try:
                 self.storage.put(unpacked, expected_sha256=manifest.sha256)
@@ -114,7 +126,12 @@ class AdapterRegistry:
             try:
                 return self.store.add_adapter_version(
                     tenant.id, name, manifest.sha256, rank=manifest.rank, target_modules=manifest.target_modules,
-                    size_bytes=stored_bytes, description=description)
+                    size_bytes=stored_bytes, description=description, limits=limits)
+            except AdapterLimitExceeded as e:  # another replica's upload got there first
+                if not existed and not self.store.is_sha_referenced(manifest.sha256):
+                    self.storage.delete(manifest.sha256)
+                self._check_limits(tenant, e.totals, stored_bytes)
+                raise adapter_quota_exceeded(f"Tenant '{tenant.name}' reached its adapter limits.") from None
             except BaseException:
                 if not existed and not self.store.is_sha_referenced(manifest.sha256):
                     self.storage.delete(manifest.sha256)
@@ -135,9 +152,21 @@ class AdapterRegistry:
                     self.storage.delete(sha)
         return live
 
-    def _check_limits(self, tenant: Tenant, new_bytes: int) -> None:
+    async def unload_from_workers(self, deleted: list[AdapterRecord]) -> list[str]:
+        """Tell every worker to unload the content of `deleted` versions that no live record (of any
+        tenant) still references; returns those sha256s. Safe to call more than once."""
+        if self.engine is None:
+            return []
+        gone = []
+        for sha in sorted({r.sha256 for r in deleted}):
+            if not await run_in_threadpool(self.store.is_sha_referenced, sha):
+                gone.append(sha)
+                await self.engine.unload_adapter(sha)
+        return gone
+
+    def _check_limits(self, tenant: Tenant, totals: AdapterTotals, new_bytes: int) -> None:
+        """ApiError 403 when one more version of `new_bytes` would pass a limit, given `totals`."""
         limits = tenant.policy
-        totals = self.store.adapter_totals(tenant.id)
         if totals.count + 1 > limits.max_adapters:
             raise adapter_quota_exceeded(
                 f"Tenant '{tenant.name}' already has {totals.count} adapter versions, its limit is "

@@ -8,20 +8,24 @@
 
 Another tenant's adapter answers exactly like one that does not exist (404). Uploads have their own body
 limit (`upload_body_limit()`, a `RouteBodySizeLimit` entry), larger than the API's, checked while the
-body streams in.
+body streams in, and so is the tenant's adapter byte quota (403 once the file passes what is left of it);
+a body that stalls is dropped after `UploadLimits.read_timeout_s` (408), a tenant streams at most
+`UploadLimits.max_concurrent` uploads at once (429), and no adapter may take the base model's name.
+The work directory of an upload is removed on every outcome.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.adapters.registry import AdapterRegistry
-from gateway.adapters.upload_stream import UploadForm, receive_upload
+from gateway.adapters.registry import AdapterRegistry, invalid_adapter
+from gateway.adapters.upload_stream import QUOTA_SLACK_BYTES, UploadForm, receive_upload
 from gateway.auth.backend import TENANT_SCOPE, TenantUser, require_scope
 from gateway.http.errors import ApiError, invalid_request
 from gateway.store import AdapterRecord
@@ -54,11 +58,31 @@ def adapter_json(versions: list[AdapterRecord]) -> dict:
             "versions": [version_json(r) for r in sorted(versions, key=lambda r: r.version)]}
 
 
-class AdapterApi:
-    """The handlers over one AdapterRegistry (no module-level state: build_app makes one)."""
+@dataclass(frozen=True)
+class UploadLimits:
+    """How uploads are bounded besides their size: `read_timeout_s` (the longest wait for the next chunk
+    of a body; then 408 and the connection closed) and `max_concurrent` (uploads one tenant may stream at
+    once through this gateway; one more is a 429 before any byte is read)."""
 
-    def __init__(self, registry: AdapterRegistry) -> None:
+    read_timeout_s: float = 30.0
+    max_concurrent: int = 2
+
+    def __post_init__(self) -> None:
+        if self.read_timeout_s <= 0 or self.max_concurrent < 1:
+            raise ValueError(f"upload limits must be positive, got {self}")
+
+
+class AdapterApi:
+    """The handlers over one AdapterRegistry (no module-level state: build_app makes one).
+
+    `base_model`: the served model's name, which no adapter may take (a request naming it gets the base).
+    """
+
+    def __init__(self, registry: AdapterRegistry, base_model: str, limits: UploadLimits | None = None) -> None:
         self.registry = registry
+        self.base_model = base_model
+        self.limits = limits or UploadLimits()
+        self._uploading: dict[str, int] = {}  # tenant id -> uploads streaming now (one event loop)
 
     @property
     def routes(self) -> list[BaseRoute]:
@@ -71,19 +95,42 @@ class AdapterApi:
 
     async def upload_adapter(self, request: Request) -> Response:
         user = require_scope(request, TENANT_SCOPE)
+        tenant_id = user.tenant.id
+        if self._uploading.get(tenant_id, 0) >= self.limits.max_concurrent:
+            raise ApiError(429, f"This tenant already has {self.limits.max_concurrent} adapter uploads in progress; "
+                                "wait for one to finish.", code="too_many_uploads", error_type="rate_limit_error",
+                           headers={"retry-after": "1"})
+        self._uploading[tenant_id] = self._uploading.get(tenant_id, 0) + 1
+        try:
+            return await self._upload(request, user)
+        finally:
+            self._uploading[tenant_id] -= 1
+            if not self._uploading[tenant_id]:
+                del self._uploading[tenant_id]
+
+    async def _upload(self, request: Request, user: TenantUser) -> Response:
         registry = self.registry
         config = registry.upload_config()
         await run_in_threadpool(registry.check_room, user.tenant)
+        totals = await run_in_threadpool(registry.store.adapter_totals, user.tenant.id)
+        room = max(0, user.tenant.policy.max_adapter_bytes - totals.size_bytes)
         work = await run_in_threadpool(registry.new_work_dir)
         try:
-            form = UploadForm(UPLOAD_FILE_FIELD, frozenset({"name", "description"}), config.max_upload_bytes)
+            form = UploadForm(UPLOAD_FILE_FIELD, frozenset({"name", "description"}), config.max_upload_bytes,
+                              quota_bytes=room + QUOTA_SLACK_BYTES, read_timeout_s=self.limits.read_timeout_s)
             received = await receive_upload(request, work / "upload", form)
             name = _form_name(received.fields.get("name"))
+            if name == self.base_model:
+                raise invalid_request(f"'{name}' is the served base model's name; an adapter may not take it.",
+                                      param="name", code="reserved_name")
             description = received.fields.get("description", "")
             if len(description) > MAX_DESCRIPTION_CHARS:
                 raise invalid_request(f"description is longer than {MAX_DESCRIPTION_CHARS} characters.",
                                       param="description")
-            record = await run_in_threadpool(registry.ingest, user.tenant, name, description, received.path, work)
+            try:
+                record = await run_in_threadpool(registry.ingest, user.tenant, name, description, received.path, work)
+            except RecursionError:  # a config nested deeper than Python recurses (a 400, never a 500)
+                raise invalid_adapter("adapter_config.json is nested too deeply") from None
         finally:
             # NOTE: synchronous on purpose: it must run even when the request task is being cancelled.
             shutil.rmtree(work, ignore_errors=True)
@@ -109,6 +156,7 @@ class AdapterApi:
         deleted = await run_in_threadpool(self.registry.delete, user.tenant, name)
         if not deleted:
             raise adapter_not_found(name)
+        await self.registry.unload_from_workers(deleted)
         versions = sorted(r.version for r in deleted)
         await run_in_threadpool(_audit, self.registry, user, "adapter.delete", deleted[0], {"versions": versions})
         return JSONResponse({"object": "adapter.deleted", "id": name, "name": name, "deleted": True,

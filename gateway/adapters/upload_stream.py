@@ -11,26 +11,39 @@ The caller owns the destination file's directory and removes it on every outcome
 
 from __future__ import annotations
 
+import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from python_multipart.exceptions import MultipartParseError
+import anyio
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.http.errors import ApiError, invalid_request
 
+MAX_BOUNDARY_CHARS = 256  # python-multipart's own bound (RFC 2046 allows 70)
+QUOTA_SLACK_BYTES = 1 << 20  # archive headers and small extra files over the adapter files' own bytes
+
 
 @dataclass(frozen=True)
 class UploadForm:
-    """What a multipart upload may hold: one file field and a few short text fields."""
+    """What a multipart upload may hold: one file field and a few short text fields.
+
+    `max_file_bytes` is the server's limit on one upload (passing it: 413); `quota_bytes`, when set, what
+    the tenant's adapter byte quota leaves room for (its stored files plus QUOTA_SLACK_BYTES: passing it,
+    403 adapter_quota_exceeded); both are enforced while the bytes arrive. `read_timeout_s`: the longest
+    wait for the next chunk of the body (then 408, the connection closed)."""
 
     file_field: str
     text_fields: frozenset[str]
     max_file_bytes: int
     max_text_bytes: int = 4096
+    quota_bytes: int | None = None
+    read_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,17 @@ class ReceivedUpload:
 def upload_too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"The uploaded file is larger than this server's limit of {max_bytes} bytes.",
                     param="file", code="upload_too_large")
+
+
+def upload_over_quota(quota_bytes: int) -> ApiError:
+    return ApiError(403, f"The uploaded file passed the {quota_bytes} bytes this tenant's adapter quota has room "
+                         "for; delete an adapter first.", param="file", code="adapter_quota_exceeded",
+                    error_type="insufficient_quota", headers={"connection": "close"})
+
+
+def upload_timed_out(seconds: float) -> ApiError:
+    return ApiError(408, f"The upload sent nothing for {seconds:g} seconds and was dropped.", param="file",
+                    code="upload_timeout", headers={"connection": "close"})
 
 
 @dataclass
@@ -108,6 +132,8 @@ class _PartCollector:
             self.file_bytes += end - start
             if self.file_bytes > self.form.max_file_bytes:
                 raise upload_too_large(self.form.max_file_bytes)
+            if self.form.quota_bytes is not None and self.file_bytes > self.form.quota_bytes:
+                raise upload_over_quota(self.form.quota_bytes)
             self.pending.append(data[start:end])
             return
         self.text.extend(data[start:end])
@@ -134,18 +160,25 @@ class _PartCollector:
 async def receive_upload(request: Request, dest: Path, form: UploadForm) -> ReceivedUpload:
     """Stream the request's multipart body; the file part goes to `dest` (created, must not exist).
 
-    Raises ApiError: 400 for a body that is not multipart/form-data, is malformed, lacks the file, or
-    ends early (truncated, client disconnected); 413 once the file passes `form.max_file_bytes`.
+    Raises ApiError: 400 for a body that is not multipart/form-data, is malformed (a boundary over
+    MAX_BOUNDARY_CHARS included), lacks the file, or ends early (truncated, client disconnected); 403 once
+    the file passes `form.quota_bytes`; 408 when no byte came for `form.read_timeout_s`; 413 once the
+    file passes `form.max_file_bytes`.
     """
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data" or not params.get(b"boundary"):
         raise ApiError(415, f"Send the upload as multipart/form-data with a '{form.file_field}' file field.",
                        code="unsupported_media_type")
-    with dest.open("xb") as out:
+    boundary = params[b"boundary"]
+    if len(boundary) > MAX_BOUNDARY_CHARS:
+        raise invalid_request(f"The multipart boundary is longer than {MAX_BOUNDARY_CHARS} characters.",
+                              code="malformed_multipart")
+    with open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:  # owner-only
         collector = _PartCollector(form, out)
-        parser = MultipartParser(params[b"boundary"], collector.callbacks())  # type: ignore[arg-type]
+        parser = MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
+        chunks = request.stream()
         try:
-            async for chunk in request.stream():
+            while (chunk := await _next_chunk(chunks, form.read_timeout_s)) is not None:
                 if collector.complete:
                     continue  # epilogue after the closing boundary: read and ignored
                 parser.write(chunk)
@@ -154,7 +187,7 @@ async def receive_upload(request: Request, dest: Path, form: UploadForm) -> Rece
         except ClientDisconnect:
             raise invalid_request("The upload was interrupted before it was complete.",
                                   code="upload_incomplete") from None
-        except MultipartParseError as e:
+        except FormParserError as e:  # MultipartParseError and the parser's other refusals
             raise invalid_request(f"The multipart body is malformed ({e}).", code="malformed_multipart") from None
         parser.finalize()
     if not collector.complete:
@@ -163,3 +196,14 @@ async def receive_upload(request: Request, dest: Path, form: UploadForm) -> Rece
     if collector.filename is None:
         raise invalid_request(f"The upload has no '{form.file_field}' file field.", param=form.file_field)
     return ReceivedUpload(dest, collector.file_bytes, collector.filename, dict(collector.fields))
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes], timeout_s: float | None) -> bytes | None:
+    """The body's next chunk, None at its end. Raises ApiError(408) after `timeout_s` without one."""
+    try:
+        with anyio.fail_after(timeout_s):
+            return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise upload_timed_out(timeout_s or 0.0) from None

@@ -6,6 +6,8 @@
     GET    /admin/api/tenants/{tenant}           one tenant with its keys ({tenant} is an id or a name)
     PATCH  /admin/api/tenants/{tenant}           {policy?: {field: value|null}, suspended?, shared?}
     GET    /admin/api/tenants/{tenant}/usage     ?granularity=hour|day&hours=N (default 48 hours)
+    GET    /admin/api/tenants/{tenant}/requests  per-request records, newest first: ?user=U&since=T&before=T&limit=N
+                                                 (T: POSIX seconds; a page's `next_before` pages back)
     GET    /admin/api/tenants/{tenant}/adapters  ?include_deleted=true
     GET    /admin/api/tenants/{tenant}/keys      POST {name?, expires_in_s?, admin?} → 201 with the key once
     DELETE /admin/api/keys/{key_id}              revoke
@@ -20,6 +22,8 @@ admin handler runs on a worker thread (`run_in_threadpool`), never on the event 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from typing import Any
 
@@ -41,11 +45,49 @@ from gateway.admin.tenants import (
     update_tenant,
 )
 from gateway.admin.views import adapter_json, audit_json, worker_json
+from gateway.http.errors import invalid_request
+from gateway.store import RequestRecord
 
 
 async def me(request: Request) -> Response:
     user = require_admin(request)
     return JSONResponse({"tenant": user.tenant.name, "key_id": user.key.id, "scopes": sorted(user.key.scopes)})
+
+
+async def tenant_requests(request: Request) -> Response:
+    require_admin(request)
+    store = gateway_of(request).store
+    user = request.query_params.get("user") or None
+    since, before = _time_param(request, "since"), _time_param(request, "before")
+    limit = int_param(request, "limit", 50, 1, 1000)
+
+    def collect() -> dict[str, Any]:
+        tenant = find_tenant(store, request.path_params["tenant"])
+        records = store.list_requests(tenant.id, user=user, since=since, before=before, limit=limit)
+        return {"tenant_id": tenant.id, "requests": [_record_json(r) for r in records],
+                "next_before": records[-1].created_at if len(records) == limit else None}
+
+    return JSONResponse(await run_in_threadpool(collect))
+
+
+def _record_json(record: RequestRecord) -> dict[str, Any]:
+    out = dataclasses.asdict(record)
+    out["finish_reasons"] = list(record.finish_reasons)
+    out["total_tokens"] = record.prompt_tokens + record.completion_tokens
+    return out
+
+
+def _time_param(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise invalid_request(f"{name} must be POSIX seconds, got {raw[:40]!r}.", param=name)
+    return value
 
 
 async def tenant_adapters(request: Request) -> Response:
@@ -120,6 +162,7 @@ routes = [
     Route("/admin/api/tenants/{tenant}", get_tenant, methods=["GET"]),
     Route("/admin/api/tenants/{tenant}", update_tenant, methods=["PATCH"]),
     Route("/admin/api/tenants/{tenant}/usage", tenant_usage, methods=["GET"]),
+    Route("/admin/api/tenants/{tenant}/requests", tenant_requests, methods=["GET"]),
     Route("/admin/api/tenants/{tenant}/adapters", tenant_adapters, methods=["GET"]),
     Route("/admin/api/tenants/{tenant}/keys", tenant_keys, methods=["GET"]),
     Route("/admin/api/tenants/{tenant}/keys", create_key, methods=["POST"]),

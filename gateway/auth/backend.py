@@ -26,7 +26,7 @@ from gateway.store.api_keys import hash_api_key
 
 TENANT_SCOPE = "tenant"
 ADMIN_SCOPE = "admin"
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})  # the OpenAPI document: gateway/openai/openapi.py
 
 
 @dataclass(frozen=True)

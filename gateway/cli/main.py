@@ -140,6 +140,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     tsub.add_parser("list", parents=[common], help="list tenants")
     show = tsub.add_parser("show", parents=[common], help="a tenant, its keys and today's usage")
     show.add_argument("tenant", help="tenant name or id")
+    requests = tsub.add_parser("requests", parents=[common], help="a tenant's latest requests, newest first")
+    requests.add_argument("tenant", help="tenant name or id")
+    requests.add_argument("--user", default=None, help="only the requests of this end user (the request's `user`)")
+    requests.add_argument("--limit", type=int, default=20, help="how many (1-1000, default 20)")
     tenants.set_defaults(handler=_run_tenants)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")

@@ -71,6 +71,8 @@ def run_tenants(args: argparse.Namespace) -> int:
             for t in store.list_tenants():
                 status = "suspended" if t.suspended else "active"
                 print(f"{t.id:<22} {t.name:<24} {status:<10} {'yes' if t.shared else 'no':<7} {_when(t.created_at)}")
+        elif args.action == "requests":
+            print_requests(store, find_tenant(store, args.tenant), args.user, args.limit)
         else:
             tenant = find_tenant(store, args.tenant)
             now = time.time()
@@ -87,6 +89,22 @@ def run_tenants(args: argparse.Namespace) -> int:
                 print(f"  {key.id}  {key.prefix}...  {_key_status(key, now):<8} scopes={','.join(sorted(key.scopes))}"
                       f"  expires={_when(key.expires_at)}  {key.name}")
     return 0
+
+
+def print_requests(store: Store, tenant: Tenant, user: str | None, limit: int) -> None:
+    """The tenant's latest request records (written by the gateway's usage flusher, about a second late)."""
+    try:
+        records = store.list_requests(tenant.id, user=user, limit=limit)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    print(f"{'CREATED':<21} {'REQUEST':<34} {'MODEL':<20} {'PROMPT':>7} {'COMPL':>6} {'FINISH':<12} {'KEY':<21} USER")
+    for r in records:
+        finish = ",".join(sorted({f or "-" for f in r.finish_reasons})) or "-"
+        labels = r.user or "-"
+        if r.metadata:
+            labels += " " + json.dumps(r.metadata, sort_keys=True)
+        print(f"{_when(r.created_at):<21} {r.request_id:<34} {r.model[:20]:<20} {r.prompt_tokens:>7} "
+              f"{r.completion_tokens:>6} {finish[:12]:<12} {r.key_id:<21} {labels}")
 
 
 def run_keys(args: argparse.Namespace) -> int:

@@ -95,7 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("httpx", "httpcore"):  # one INFO line per worker call is a per-request cost
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    args.data_dir.mkdir(parents=True, exist_ok=True)
+    args.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(args.data_dir, 0o700)  # NOTE: key hashes, tenants' adapters and usage live here: owner-only
     store = open_cli_store(args)
     if args.model:
         model = Path(args.model)

@@ -16,11 +16,29 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "server_error",
+    503: "service_unavailable",
+}
+# The code an error carries when its raiser names none: clients branch on a stable code, never on text.
+DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    502: "bad_gateway",
     503: "service_unavailable",
 }
 
@@ -32,7 +50,7 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or DEFAULT_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
         self.error_type = error_type or ERROR_TYPES.get(status, "server_error" if status >= 500 else
                                                           "invalid_request_error")
         self.headers = dict(headers or {})

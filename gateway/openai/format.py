@@ -32,6 +32,7 @@ class SampleCounters:
     finish_reason: str | None = None
     started: bool = False  # the first (role) chunk went out
     last_token_id: int | None = None  # the sample's latest token (a tool request cuts a final special one)
+    answered_finish: str | None = None  # the finish_reason the answer gave the client ("tool_calls", ...)
 
 
 class StreamCounters:
@@ -56,6 +57,11 @@ class StreamCounters:
     @property
     def completion_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def finish_reasons(self) -> tuple[str | None, ...]:
+        """Each choice's finish_reason as answered; None for a choice the answer did not finish."""
+        return tuple(s.answered_finish for s in self.samples)
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -178,6 +184,7 @@ class ChatFormatter(Formatter):
         finish = openai_finish_reason(s.finish_reason)
         if finish == "stop" and called:
             finish = "tool_calls"
+        counters.answered_finish = finish or counters.answered_finish
         if not delta and finish is None and not (self.with_logprobs and s.logprobs):
             return None
         choice = {"index": s.index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -199,6 +206,7 @@ class ChatFormatter(Formatter):
             if reader.calls:
                 message["tool_calls"] = reader.calls
                 finish = "tool_calls" if finish == "stop" else finish
+        sample.answered_finish = finish
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def _content_logprobs(self, logprobs: list[Logprob]) -> list[dict]:
@@ -228,6 +236,7 @@ class CompletionFormatter(Formatter):
 
     def _chunk_choice(self, s: SampleDelta, counters: SampleCounters) -> dict | None:
         finish = openai_finish_reason(s.finish_reason)
+        counters.answered_finish = finish or counters.answered_finish
         text = s.text
         if not counters.started:
             counters.started = True
@@ -240,8 +249,9 @@ class CompletionFormatter(Formatter):
 
     def _final_choice(self, index: int, collected: Collected) -> dict:
         logprobs = self._logprobs(collected.logprobs[index], 0) if self.with_logprobs else None
+        finish = collected.samples[index].answered_finish = openai_finish_reason(collected.samples[index].finish_reason)
         return {"index": index, "text": self._echo(index) + collected.text(index), "logprobs": logprobs,
-                "finish_reason": openai_finish_reason(collected.samples[index].finish_reason)}
+                "finish_reason": finish}
 
     def _logprobs(self, logprobs: list[Logprob], offset: int) -> dict:
         tokens, values, tops, offsets = [], [], [], []

@@ -5,7 +5,8 @@ while waiting for the first token, mid-stream); then it closes the engine stream
 request in the worker. Whatever happens, admission is released and usage reported exactly once.
 Errors before the first byte are proper statuses; after it, one `data: {"error": ...}` event. Either way
 a failure is the worker clients' one `RequestError`, answered through its code's one table entry
-(wire/errors.py: status, OpenAI type, retry-after): the tenant sees the code and its short message.
+(wire/errors.py: status, OpenAI type, retry-after): the tenant sees the code and its short message
+(for a server-side failure, the code's own message only: never exception text or an address).
 
 A streamed answer keeps only counters per chunk; a non-streamed one collects the text it returns.
 """
@@ -21,7 +22,14 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.base import AdmissionRequest, Admitted, FinalUsage, RequestAdmission, UsageReporter
+from gateway.admission.base import (
+    AdmissionRequest,
+    Admitted,
+    FinalUsage,
+    RequestAdmission,
+    RequestLabels,
+    UsageReporter,
+)
 from gateway.http.errors import ApiError
 from gateway.observability.request_observer import RequestObserver
 from gateway.openai.fanout import merge_deltas
@@ -43,13 +51,21 @@ class Generation:
     stream: bool
     include_usage: bool
     more_requests: tuple[GenerateRequest, ...] = ()  # the other prompts of a completions prompt list
+    labels: RequestLabels | None = None  # for the request's usage record
 
 
 def api_error_for(error: RequestError) -> ApiError:
-    """The OpenAI-shaped answer to a failed request: its code's status and type, the code itself."""
+    """The OpenAI-shaped answer to a failed request: its code's status and type, the code itself.
+
+    NOTE: a server-side failure (5xx) answers with its code's fixed message only, whatever text came with
+    it (a worker's exception text, an address): that text goes to the log, once, bounded by RequestError."""
     code = error.code
     headers = {"retry-after": str(code.retry_after_s)} if code.retry_after_s else None
-    return ApiError(code.http_status, error.message, param=error.param, code=code.value,
+    message = error.message
+    if code.http_status >= 500 and message != code.default_message:
+        log.warning("request %s failed with %s: %s", error.request_id or "-", code.value, message)
+        message = code.default_message
+    return ApiError(code.http_status, message, param=error.param, code=code.value,
                     error_type=code.openai_type, headers=headers)
 
 
@@ -87,7 +103,10 @@ class GenerationResponse(Response):
                 async def watch() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
-                    self.outcome = "disconnected"
+                    # NOTE: the server reports a disconnect as soon as the answer is complete, which may
+                    # be before `answer` cancels this task: a complete answer stays "ok".
+                    if self.outcome != "ok":
+                        self.outcome = "disconnected"
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(answer)
@@ -154,12 +173,13 @@ class GenerationResponse(Response):
         except Exception:
             log.exception("closing the engine stream failed")
         c = self.counters
-        usage = self.final_usage = FinalUsage(c.prompt_tokens, c.completion_tokens, c.cached_tokens, self.outcome)
+        usage = self.final_usage = FinalUsage(c.prompt_tokens, c.completion_tokens, c.cached_tokens, self.outcome,
+                                              c.finish_reasons)
         try:
             await self.admission.release(self.generation.admission_request, self.generation.admitted, usage)
         except Exception:
             log.exception("admission release failed")
-        await self.usage_reporter.report(self.generation.admission_request.tenant, usage)
+        await self.usage_reporter.report(self.generation.admission_request.tenant, usage, self.generation.labels)
 
 
 async def _next_delta(deltas: AsyncIterator[GenerateDelta]) -> GenerateDelta:

@@ -4,13 +4,20 @@ Nothing is silently dropped: a parameter of OpenAI's API reference that loraplex
 naming it (`unsupported_parameter`) when the request sets it; `store: true` likewise (no completion is
 stored). `service_tier` maps onto the tenant's priority range ("priority": its most urgent priority,
 "flex": its least urgent, "auto"/"default": its default) and is reported back as the tier used.
-`metadata` is checked with OpenAI's limits (16 pairs, keys up to 64 characters, values up to 512).
+`metadata` is checked with OpenAI's limits (16 pairs, keys up to 64 characters, values up to 512); it is
+stored with the request's usage record together with `user` (up to 256 characters) and `safety_identifier`
+(up to 64, OpenAI's limit): `request_labels`.
 """
 
 from __future__ import annotations
 
+import time
+
+from gateway.admission.base import RequestLabels
 from gateway.http.errors import invalid_request
-from gateway.openai.schema import ChatCompletionRequest
+from gateway.openai.schema import ChatCompletionRequest, CompletionRequest
+from gateway.store import AdapterRecord
+from gateway.store.models import MAX_SAFETY_IDENTIFIER_CHARS, MAX_USER_CHARS
 from policies import TenantPolicy
 
 # chat parameters of OpenAI's reference that loraplex does not serve
@@ -54,3 +61,21 @@ def requested_priority(priority: int | None, service_tier: str | None, policy: T
     if service_tier == "flex":
         return policy.max_priority, "flex"
     return None, "default"
+
+
+def request_labels(body: ChatCompletionRequest | CompletionRequest, request_id: str, key_id: str,
+                   adapter: AdapterRecord | None) -> RequestLabels:
+    """What the request's usage record keeps of it. Raises ApiError(400) naming `user` or `safety_identifier`
+    when one is too long (metadata is checked by refuse_unsupported)."""
+    chat = body if isinstance(body, ChatCompletionRequest) else None
+    safety_identifier = chat.safety_identifier if chat is not None else None
+    for name, value, most in (("user", body.user, MAX_USER_CHARS),
+                              ("safety_identifier", safety_identifier, MAX_SAFETY_IDENTIFIER_CHARS)):
+        if value is not None and len(value) > most:
+            raise invalid_request(f"Invalid '{name}': string too long. Expected a string with maximum length {most}, "
+                                  f"but got a string with length {len(value)} instead.", param=name,
+                                  code="string_above_max_length")
+    return RequestLabels(request_id=request_id, key_id=key_id, model=body.model,
+                         adapter=None if adapter is None else adapter.ref, created_at=time.time(), user=body.user,
+                         safety_identifier=safety_identifier,
+                         metadata=dict(chat.metadata or {}) if chat is not None else {})

@@ -1,5 +1,8 @@
 """Validated OpenAI bodies → prompt token ids and the request's `SamplingParams`.
 
+Two steps, admission between them: `chat_inputs` / `completion_inputs` check a body cheaply and give an
+estimate of its prompt tokens (what admission charges before any expensive work); `chat_prompt_ids` /
+`completion_prompt_ids` then render and tokenize, blocking, in the prompt pool (gateway/http/prompt_pool.py).
 Chat messages and tools go through the model's chat template (tokenization/chat_template.py), with
 the strings the request supplies tokenized as text (only the template's markup becomes control tokens);
 the rendered text already holds BOS, so nothing is added. The sampling
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.http.errors import ApiError, invalid_request
+from gateway.http.json_body import DEFAULT_MAX_SCHEMA_DEPTH, too_deep, value_depth
 from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat
 from gateway.openai.tools.messages import template_messages
 from gateway.openai.tools.plan import ToolPlan, plan_tools
@@ -23,18 +27,40 @@ from wire.sampling import ConstrainedTool, InvalidSamplingParams, SamplingParams
 
 
 @dataclass(frozen=True)
-class ChatPrompt:
-    """A chat request's prompt: token ids, and its tools as checked once (None without tools)."""
+class ChatInputs:
+    """A chat request in its template's terms, checked (cheap: no rendering, no tokens yet). Rendering
+    and tokenizing it is `chat_prompt_ids`, which the routes run in the prompt pool after admission."""
 
-    token_ids: list[int]
-    tools: ToolPlan | None
+    messages: list[dict[str, Any]]
+    template_tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    tools: ToolPlan | None  # the request's tools as checked once (None without tools)
+
+    def estimated_tokens(self) -> int:
+        """A cheap estimate of the prompt's tokens for admission (OpenAI's rule: ~4 characters a token),
+        the content of every message and tool; the exact count replaces it once tokenized."""
+        chars = sum(len(m["content"]) for m in self.messages if isinstance(m.get("content"), str))
+        if self.template_tools:
+            chars += sum(len(str(t)) for t in self.template_tools)
+        return estimate_tokens(chars) + 4 * len(self.messages)  # + a few markup tokens per turn
 
 
-def chat_prompt(tokenizer: Tokenizer, calling: ToolCalling, body: ChatCompletionRequest) -> ChatPrompt:
-    """Render and tokenize the conversation with its tools. Raises ApiError(400) naming the param: a tool
-    or tool_choice (gateway/openai/tools/plan.py), a message field, chat_template_kwargs, or `messages`
-    for the template's own refusal (its message, e.g. a `raise_exception` text)."""
+def estimate_tokens(chars: int) -> int:
+    return -(-chars // CHARS_PER_TOKEN_ESTIMATE)
+
+
+CHARS_PER_TOKEN_ESTIMATE = 4
+
+
+def chat_inputs(calling: ToolCalling, body: ChatCompletionRequest,
+                max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH) -> ChatInputs:
+    """The conversation and its tools as the template reads them. Raises ApiError(400) naming the param:
+    a tool or tool_choice (gateway/openai/tools/plan.py), a tool schema nested too deeply, a message field,
+    chat_template_kwargs."""
     tools = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
+    for i, tool in enumerate(body.tools or ()):
+        if tool.function.parameters is not None and value_depth(tool.function.parameters) > max_schema_depth:
+            raise too_deep(max_schema_depth, f"tools[{i}].function.parameters")
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     plan = plan_tools(tools, choice, body.parallel_tool_calls)
     kwargs = body.chat_template_kwargs or {}
@@ -43,11 +69,19 @@ def chat_prompt(tokenizer: Tokenizer, calling: ToolCalling, body: ChatCompletion
         raise invalid_request(f"chat_template_kwargs may not set {reserved[0]!r}.", param="chat_template_kwargs",
                               code="invalid_value")
     messages, template_tools = template_messages([m.template_fields() for m in body.messages], calling, plan)
+    return ChatInputs(messages, template_tools, dict(kwargs), plan)
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, inputs: ChatInputs) -> list[int]:
+    """Render and tokenize the conversation (blocking, CPU-bound: run it in the prompt pool). Raises
+    ApiError(400) naming `messages` for the template's own refusal (its message, e.g. a
+    `raise_exception` text). Its strings are valid Unicode: the body's and the tool call arguments' JSON
+    were checked (gateway/http/json_body.py)."""
     try:
-        ids = tokenizer.encode_chat(messages, tools=template_tools, template_kwargs=kwargs)
+        return tokenizer.encode_chat(inputs.messages, tools=inputs.template_tools,
+                                     template_kwargs=inputs.template_kwargs)
     except ChatTemplateError as e:
         raise invalid_request(str(e), param="messages") from None
-    return ChatPrompt(ids, plan)
 
 
 def tool_constraint(calling: ToolCalling, plan: ToolPlan | None) -> ToolCallConstraint | None:
@@ -61,31 +95,42 @@ def tool_constraint(calling: ToolCalling, plan: ToolPlan | None) -> ToolCallCons
 MAX_PROMPTS = 64  # prompts in one completions request
 
 
-def completion_prompts(tokenizer: Tokenizer, body: CompletionRequest) -> list[list[int]]:
-    """The token ids of each prompt: a string, a list of ids, or a list of either (one choice per
-    prompt and sample). Raises ApiError(400) naming `prompt`."""
+def completion_inputs(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: each a string or a list of token ids, checked (cheap: no
+    tokens yet). Raises ApiError(400) naming `prompt`."""
     prompt: Any = body.prompt
     prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
     if len(prompts) > MAX_PROMPTS:
         raise invalid_request(f"At most {MAX_PROMPTS} prompts are allowed in one request, got {len(prompts)}.",
                               param="prompt")
+    for p in prompts:
+        if not p:
+            raise invalid_request("The prompt must not be empty.", param="prompt")
+    return prompts
+
+
+def estimated_completion_tokens(prompts: list[str | list[int]]) -> int:
+    """Admission's estimate: exact for token ids, ~4 characters a token for text."""
+    return sum(len(p) if isinstance(p, list) else estimate_tokens(len(p)) + 1 for p in prompts)
+
+
+def completion_prompt_ids(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
+    """The token ids of each prompt (blocking, CPU-bound for text: run it in the prompt pool). Raises
+    ApiError(400) naming `prompt`."""
     return [_prompt_ids(tokenizer, p) for p in prompts]
 
 
 def _prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        if not prompt:
-            raise invalid_request("The prompt must not be empty.", param="prompt")
         return tokenizer.encode(prompt, add_special_tokens=True)
-    if not prompt:
-        raise invalid_request("The prompt must not be empty.", param="prompt")
     if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
         raise invalid_request(f"Prompt token ids must be in [0, {tokenizer.vocab_size}).", param="prompt")
     return list(prompt)
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int,
-                    logprobs: int | None, *, vocab_size: int, tools: ToolCallConstraint | None = None) -> SamplingParams:
+                    logprobs: int | None, *, vocab_size: int, tools: ToolCallConstraint | None = None,
+                    max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH) -> SamplingParams:
     """The request's SamplingParams. Raises ApiError(400) naming the body's param for a value that
     SamplingParams refuses (`max_tokens` and `logprobs` are what the caller read from the body).
 
@@ -107,7 +152,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         "logprobs": logprobs, "min_tokens": body.min_tokens, "stop": body.stop,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
-    fields.update(structured_output_fields(body.response_format))
+    fields.update(structured_output_fields(body.response_format, max_schema_depth))
     try:
         return SamplingParams(**fields)
     except InvalidSamplingParams as e:
@@ -128,7 +173,10 @@ def _invalid_param(body: ChatCompletionRequest | CompletionRequest, e: InvalidSa
     return invalid_request(f"Invalid value for '{param}': {e}.", param=param, code="invalid_value")
 
 
-def structured_output_fields(response_format: ResponseFormat | None) -> dict[str, Any]:
+def structured_output_fields(response_format: ResponseFormat | None,
+                             max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH) -> dict[str, Any]:
+    """The SamplingParams fields of `response_format`. Raises ApiError(400) for a json_schema without its
+    schema or nested deeper than `max_schema_depth` (refused before admission, never compiled)."""
     if response_format is None or response_format.type == "text":
         return {}
     if response_format.type == "json_object":
@@ -137,6 +185,8 @@ def structured_output_fields(response_format: ResponseFormat | None) -> dict[str
     if spec is None or spec.schema_ is None:
         raise invalid_request("response_format of type 'json_schema' needs json_schema.schema.",
                               param="response_format.json_schema")
+    if value_depth(spec.schema_) > max_schema_depth:
+        raise too_deep(max_schema_depth, "response_format.json_schema.schema")
     return {"json_schema": spec.schema_}
 
 

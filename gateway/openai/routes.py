@@ -1,8 +1,9 @@
 """The OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
 
-Each handler: scope check → body validation → model resolution → prompt tokens and the request's one
-SamplingParams (gateway/openai/prompt.py) → admission (the policies seam) → a GenerationResponse that
-streams or collects the engine's deltas.
+Each handler: scope check → body validation → model resolution → the cheap checks of messages and tools,
+an estimate of the prompt's tokens and the request's one SamplingParams (gateway/openai/prompt.py) →
+admission (the policies seam, charged with the estimate) → the prompt rendered and tokenized in the
+prompt pool, off the event loop → a GenerationResponse that streams or collects the engine's deltas.
 
 Prefix caching, three names for three things: a tenant's `cache_salt` (chosen by the server, never by a
 client), the public sharing choice (the tenant policy `share_prefix_cache`: its requests use
@@ -15,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -27,11 +30,21 @@ from gateway.auth.backend import TENANT_SCOPE, TenantUser, require_scope
 from gateway.http.errors import invalid_request, model_not_found
 from gateway.openai.format import ChatFormatter, CompletionFormatter, Formatter
 from gateway.openai.generation import Generation, GenerationResponse
-from gateway.openai.params import refuse_unsupported, requested_priority
-from gateway.openai.prompt import chat_prompt, completion_prompts, sampling_params, tool_constraint
+from gateway.openai.params import refuse_unsupported, request_labels, requested_priority
+from gateway.openai.prompt import (
+    chat_inputs,
+    chat_prompt_ids,
+    completion_inputs,
+    completion_prompt_ids,
+    estimated_completion_tokens,
+    sampling_params,
+    tool_constraint,
+)
 from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.state import GatewayState
 from gateway.store import Tenant
+from policies import RequestTooLarge
+from tokenization.tokenizer import Tokenizer
 from wire.protocol import GenerateRequest
 from wire.sampling import SamplingParams
 
@@ -58,16 +71,21 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     refuse_unsupported(body)
     priority, tier = requested_priority(body.priority, body.service_tier, user.tenant.policy)
-    # NOTE: off the event loop: a template with tools renders for a while (the pool is anyio's, bounded)
-    prompt = await run_in_threadpool(chat_prompt, state.tokenizer, state.tool_calling, body)
+    inputs = chat_inputs(state.tool_calling, body, state.config.max_schema_depth)
     requested = body.requested_max_tokens
     max_tokens = state.config.default_max_tokens if requested is None else requested
-    tools = tool_constraint(state.tool_calling, prompt.tools)
-    sampling = sampling_params(body, max_tokens, logprobs, vocab_size=state.tokenizer.vocab_size, tools=tools)
+    tools = tool_constraint(state.tool_calling, inputs.tools)
+    sampling = sampling_params(body, max_tokens, logprobs, vocab_size=state.tokenizer.vocab_size, tools=tools,
+                               max_schema_depth=state.config.max_schema_depth)
     formatter = ChatFormatter(_new_id("chatcmpl"), resolved.served_name, state.token_text, logprobs is not None,
                               service_tier=tier, tools=state.tool_calling.format if tools else None,
                               special_token_ids=state.tokenizer.special_token_ids)
-    return await _start(request, state, user, body, resolved, [prompt.token_ids], sampling, formatter, priority)
+
+    async def render() -> list[list[int]]:
+        return [await state.prompts.run(user.tenant.id, chat_prompt_ids, state.tokenizer, inputs)]
+
+    return await _start(request, state, user, body, resolved, (inputs.estimated_tokens(), 1), render, sampling,
+                        formatter, priority)
 
 
 async def completions(request: Request) -> Response:
@@ -82,32 +100,60 @@ async def completions(request: Request) -> Response:
         raise invalid_request("best_of other than n is not supported.", param="best_of")
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
-    prompts = completion_prompts(state.tokenizer, body)
+    prompts = completion_inputs(body)
     max_tokens = state.config.default_completion_max_tokens if body.max_tokens is None else body.max_tokens
-    sampling = sampling_params(body, max_tokens, body.logprobs, vocab_size=state.tokenizer.vocab_size)
-    echo = None
-    if body.echo:
-        given = body.prompt if isinstance(body.prompt, list) and not isinstance(body.prompt[0], int) else [body.prompt]
-        echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in given]
+    sampling = sampling_params(body, max_tokens, body.logprobs, vocab_size=state.tokenizer.vocab_size,
+                               max_schema_depth=state.config.max_schema_depth)
     formatter = CompletionFormatter(_new_id("cmpl"), resolved.served_name, state.token_text,
-                                    body.logprobs is not None, echo=echo, n=body.n)
-    return await _start(request, state, user, body, resolved, prompts, sampling, formatter, body.priority)
+                                    body.logprobs is not None, n=body.n)
+
+    async def render() -> list[list[int]]:
+        ids = await state.prompts.run(user.tenant.id, completion_prompt_ids, state.tokenizer, prompts)
+        if body.echo:  # each prompt's text, put before its choices' text
+            formatter.echo = await state.prompts.run(user.tenant.id, _echo_texts, state.tokenizer, prompts)
+        return ids
+
+    return await _start(request, state, user, body, resolved, (estimated_completion_tokens(prompts), len(prompts)),
+                        render, sampling, formatter, body.priority)
+
+
+def _echo_texts(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[str]:
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
 
 
 async def _start(request: Request, state: GatewayState, user: TenantUser,
-                 body: ChatCompletionRequest | CompletionRequest, resolved: ResolvedModel, prompts: list[list[int]],
-                 sampling: SamplingParams, formatter: Formatter, priority: int | None) -> Response:
-    """Admit and answer the request: one engine request per prompt (a completions prompt list has
-    several), their samples numbered prompt by prompt."""
+                 body: ChatCompletionRequest | CompletionRequest, resolved: ResolvedModel, estimate: tuple[int, int],
+                 render: Callable[[], Awaitable[list[list[int]]]], sampling: SamplingParams, formatter: Formatter,
+                 priority: int | None) -> Response:
+    """Admit, then render, then answer the request: one engine request per prompt (a completions prompt
+    list has several), their samples numbered prompt by prompt.
+
+    Admission comes first and charges an estimate (`estimate`: prompt tokens, number of prompts) so that
+    a tenant at its limits gets its 429 before any expensive work; rendering and tokenizing run in the
+    prompt pool after it, and the exact count is checked against the tenant's max_tokens_per_request
+    (a 400 with the request still charged); the reservation is reconciled with the tokens served."""
+    labels = request_labels(body, formatter.response_id, user.key.id, resolved.adapter)
+    estimated_tokens, num_prompts = estimate
+    policy = user.tenant.policy
+    n = body.n * num_prompts
+    # NOTE: the estimate never refuses on its own a request whose exact count could fit
+    room = max(0, policy.max_tokens_per_request - sampling.max_tokens * n)
     ticket = AdmissionRequest(
         request_id=formatter.response_id, tenant=user.tenant, model=resolved.served_name,
-        requested_priority=priority, prompt_tokens=sum(len(p) for p in prompts), max_tokens=sampling.max_tokens,
-        n=body.n * len(prompts),
+        requested_priority=priority, prompt_tokens=min(estimated_tokens, room), max_tokens=sampling.max_tokens, n=n,
     )
     admitted = await _admit_while_connected(request, state, ticket)  # may raise ApiError (429, 503, 400)
     if admitted is None:
         return Response(status_code=499)  # the client left while queued; nobody reads this
     try:
+        prompts = await render()
+        prompt_tokens = sum(len(p) for p in prompts)
+        try:
+            policy.check_request_size(prompt_tokens, sampling.max_tokens * n)
+        except RequestTooLarge as e:
+            raise invalid_request(str(e), param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                                  code="request_too_large") from None
+        ticket = replace(ticket, prompt_tokens=prompt_tokens)
         engine_requests = [GenerateRequest(
             request_id=formatter.response_id if len(prompts) == 1 else f"{formatter.response_id}-{i}",
             prompt_token_ids=prompt_ids, sampling=sampling, priority=admitted.priority,
@@ -115,7 +161,7 @@ async def _start(request: Request, state: GatewayState, user: TenantUser,
             traceparent=request.headers.get("traceparent"),
         ) for i, prompt_ids in enumerate(prompts)]
         generation = Generation(ticket, admitted, engine_requests[0], formatter, body.n * len(prompts), body.stream,
-                                body.include_usage, more_requests=tuple(engine_requests[1:]))
+                                body.include_usage, more_requests=tuple(engine_requests[1:]), labels=labels)
         return GenerationResponse(generation, state.engine, state.admission, state.usage)
     except BaseException:
         # NOTE: from here on GenerationResponse owns the release; until then a failure must release here.

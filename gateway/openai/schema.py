@@ -9,12 +9,12 @@ vocabulary) are checked by the engine; all of these come back as 400s naming the
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.errors import ApiError, invalid_request
+from gateway.http.json_body import load_json_body
 
 MAX_STOP_SEQUENCES = 4
 
@@ -175,11 +175,7 @@ class CompletionRequest(_SamplingFields):
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes → validated request model, or an ApiError(400) naming the offending param."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise invalid_request("We could not parse the JSON body of your request. The body must be valid "
-                              "JSON.", code="invalid_json") from None
+    data = load_json_body(raw)  # 400 for bad JSON, too deep, lone surrogates (gateway/http/json_body.py)
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.", code="invalid_json")
     try:

@@ -19,11 +19,11 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.store.api_keys import generate_api_key, hash_api_key, hashes_match, looks_like_api_key
-from gateway.store.errors import NotFoundError, TenantSuspendedError
+from gateway.store.errors import NotFoundError, StoreError, TenantSuspendedError
 from gateway.store.models import (
     AdapterRecord,
     AdapterTotals,
@@ -31,6 +31,7 @@ from gateway.store.models import (
     AuditEntry,
     Authenticated,
     Granularity,
+    RequestRecord,
     Tenant,
     UsageRow,
     UsageTotals,
@@ -52,8 +53,34 @@ from gateway.store.usage_buckets import (
 )
 from policies.tenant_policy import TenantPolicy
 
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """A tenant's adapter limits, checked by `add_adapter_version` in the same atomic write as the insert."""
+
+    max_count: int  # live versions
+    max_bytes: int  # their stored bytes
+
+    def __post_init__(self) -> None:
+        check_count("max_count", self.max_count)
+        check_count("max_bytes", self.max_bytes)
+
+
+class AdapterLimitExceeded(StoreError):
+    """The new version would take the tenant over a limit (`exceeded`: "count" or "bytes"); `totals` are
+    the tenant's live versions at that moment, which the write saw and left unchanged."""
+
+    def __init__(self, exceeded: str, totals: AdapterTotals, limits: AdapterLimits) -> None:
+        super().__init__(f"adapter {exceeded} limit reached ({totals}, {limits})")
+        self.exceeded = exceeded
+        self.totals = totals
+        self.limits = limits
+
+
 LAST_USED_RESOLUTION_S = 60.0  # authenticate writes last_used_at at most once a minute per key
 MAX_AUDIT_PAGE = 1000
+MAX_REQUESTS_PAGE = 1000
+REQUEST_RECORD_RETENTION_S = 30 * 86400.0  # per-request records older than this are pruned on write
 
 
 class Store(ABC):
@@ -197,10 +224,13 @@ class Store(ABC):
     def add_adapter_version(
         self, tenant_id: str, name: str, sha256: str, *, rank: int, target_modules: tuple[str, ...] | list[str],
         size_bytes: int, description: str = "", shared: bool = False, now: float | None = None,
+        limits: AdapterLimits | None = None,
     ) -> AdapterRecord:
         """Record a new version of the tenant's adapter `name`, numbered atomically: concurrent calls
         get distinct versions, and numbering continues after deleted versions. NotFoundError if the
-        tenant is unknown."""
+        tenant is unknown. With `limits`, the check of the tenant's live count and bytes and the insert
+        are one atomic write (a Redis script, a SQLite transaction): concurrent uploads through any
+        number of gateways never take a tenant past them; AdapterLimitExceeded (nothing written) else."""
         modules = tuple(target_modules)
         if not modules or not all(isinstance(m, str) and m for m in modules):
             raise ValueError(f"target_modules must be a non-empty list of module names, got {target_modules!r}")
@@ -213,7 +243,7 @@ class Store(ABC):
             rank=rank, target_modules=modules, size_bytes=check_count("size_bytes", size_bytes),
             description=description, created_at=self._now(now), deleted_at=None, shared=bool(shared),
         )
-        return replace(draft, version=self._insert_adapter_version(draft))
+        return replace(draft, version=self._insert_adapter_version(draft, limits))
 
     @abstractmethod
     def get_adapter(
@@ -281,6 +311,35 @@ class Store(ABC):
         """Usage of the UTC day holding `at` (the admin API's "today"; budgets are the quota backend's)."""
         return self.usage_totals(tenant_id, *day_range(self._now(at)))
 
+    # ---- request records -------------------------------------------------------------------------
+
+    # Records created more than this before now are never listed, and are deleted by the next write.
+    request_retention_s: float = REQUEST_RECORD_RETENTION_S
+
+    def record_requests(self, tenant_id: str, records: list[RequestRecord], *, now: float | None = None) -> None:
+        """Append the tenant's per-request records in one atomic write, and delete its records past the
+        retention. Writing a record again (same request id) replaces it, so a retried batch is not counted
+        twice. NotFoundError if the tenant is unknown; ValueError if a record is another tenant's."""
+        for record in records:
+            if record.tenant_id != tenant_id:
+                raise ValueError(f"record {record.request_id} belongs to tenant {record.tenant_id}, not {tenant_id}")
+        if records:
+            self._insert_requests(tenant_id, records, self._now(now) - self.request_retention_s,
+                                  self.request_retention_s)
+
+    def list_requests(self, tenant_id: str, *, user: str | None = None, since: float | None = None,
+                      before: float | None = None, limit: int = 50, now: float | None = None) -> list[RequestRecord]:
+        """The tenant's request records within the retention, newest first: those of end user `user` only
+        when given, created at or after `since` and strictly before `before` (a page's last `created_at`
+        pages back; records created at the very same time may fall between two pages)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_REQUESTS_PAGE:
+            raise ValueError(f"limit must be an int in 1..{MAX_REQUESTS_PAGE}, got {limit!r}")
+        if user is not None and (not isinstance(user, str) or not user):
+            raise ValueError("user must be a non-empty string")
+        oldest = self._now(now) - self.request_retention_s
+        since = max(oldest, check_time("since", since) or oldest)
+        return self._select_requests(tenant_id, user, since, check_time("before", before), limit)
+
     # ---- audit -----------------------------------------------------------------------------------
 
     def append_audit(
@@ -331,8 +390,9 @@ class Store(ABC):
     def _touch_api_key(self, key_id: str, now: float) -> None: ...
 
     @abstractmethod
-    def _insert_adapter_version(self, draft: AdapterRecord) -> int:
-        """Store `draft` under the next version of (tenant, name); returns that version."""
+    def _insert_adapter_version(self, draft: AdapterRecord, limits: AdapterLimits | None) -> int:
+        """Store `draft` under the next version of (tenant, name); returns that version. With `limits`,
+        checks them in the same atomic write: AdapterLimitExceeded, nothing written, when over."""
 
     @abstractmethod
     def _delete_adapter(self, tenant_id: str, name: str, now: float) -> int: ...
@@ -343,6 +403,15 @@ class Store(ABC):
     @abstractmethod
     def _usage_hours(self, tenant_id: str, lo: int, hi: int) -> list[tuple[int, UsageTotals]]:
         """(hour_start, counters) for hours with lo <= hour_start < hi."""
+
+    @abstractmethod
+    def _insert_requests(self, tenant_id: str, records: list[RequestRecord], cutoff: float, keep_s: float) -> None:
+        """Upsert `records` and delete the tenant's records created before `cutoff`, atomically."""
+
+    @abstractmethod
+    def _select_requests(self, tenant_id: str, user: str | None, since: float | None, before: float | None,
+                         limit: int) -> list[RequestRecord]:
+        """Newest first (ties: the later written first)."""
 
     @abstractmethod
     def _insert_audit(

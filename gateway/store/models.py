@@ -171,3 +171,59 @@ class AuditEntry:
     target: str  # e.g. a tenant id or "tenant_id/adapter_name"
     before: Any = field(default=None, hash=False)  # JSON value
     after: Any = field(default=None, hash=False)  # JSON value
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+MAX_USER_CHARS, MAX_SAFETY_IDENTIFIER_CHARS = 256, 64
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One served request as operators read it back: who sent it, the labels it carried, what it cost.
+
+    Written in batches by the usage flusher (gateway/admission/usage.py), kept for a retention period.
+    """
+
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str  # the name the request asked for and the response echoed
+    adapter: str | None  # the adapter version served (name@version); None: the base model
+    created_at: float  # when the gateway admitted it
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reasons: tuple[str | None, ...]  # one per choice, as answered ("tool_calls", "length"...); None: none
+    outcome: str  # "ok" | "error" | "disconnected"
+    user: str | None = None  # OpenAI's `user`: the tenant's end user
+    safety_identifier: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        for what, value in (("request_id", self.request_id), ("tenant_id", self.tenant_id), ("key_id", self.key_id),
+                            ("model", self.model)):
+            if not isinstance(value, str) or not value or len(value) > 200:
+                raise ValueError(f"{what} must be a non-empty string of at most 200 characters")
+        check_time("created_at", self.created_at)
+        for what, count in (("prompt_tokens", self.prompt_tokens), ("completion_tokens", self.completion_tokens),
+                            ("cached_tokens", self.cached_tokens)):
+            check_count(what, count)
+        check_label("user", self.user, MAX_USER_CHARS)
+        check_label("safety_identifier", self.safety_identifier, MAX_SAFETY_IDENTIFIER_CHARS)
+        check_metadata(self.metadata)
+
+
+def check_label(what: str, value: str | None, max_chars: int) -> str | None:
+    if value is not None and (not isinstance(value, str) or len(value) > max_chars):
+        raise ValueError(f"{what} must be a string of at most {max_chars} characters")
+    return value
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """OpenAI's metadata limits: at most 16 pairs of strings, keys up to 64 characters, values up to 512."""
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_METADATA_KEY_CHARS
+            and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items()):
+        raise ValueError(f"metadata holds at most {MAX_METADATA_PAIRS} pairs of strings, keys of at most "
+                         f"{MAX_METADATA_KEY_CHARS} characters and values of at most {MAX_METADATA_VALUE_CHARS}")
+    return metadata

@@ -17,6 +17,9 @@
     usage:{tenant}:d:{start}      hash   same, per UTC day (kept beside hours: one read for "today")
     audit:next                    string last audit id handed out
     audit:ids / audit:entries     zset / hash   id -> JSON [at, actor, action, target, before, after]
+    request:{tenant}:{request}    string JSON of one RequestRecord, expires after the retention period
+    requests:{tenant}:t           zset   request ids by created_at (pruned to the retention period on write)
+    requests:{tenant}:u:{user}    zset   the same, of one end user (`user`: any string, last in the key)
 
 Tenant ids, names and adapter names never contain ':' (see models.check_name), so keys cannot collide.
 NOTE: the Lua scripts build record keys from a prefix passed in ARGV, which is fine on a standalone
@@ -90,6 +93,15 @@ class RedisKeys:
 
     def usage_day(self, tenant_id: str, day_start: int) -> str:
         return f"{self.prefix}usage:{tenant_id}:d:{day_start}"
+
+    def request(self, tenant_id: str, request_id: str) -> str:
+        return f"{self.prefix}request:{tenant_id}:{request_id}"
+
+    def requests_by_time(self, tenant_id: str) -> str:
+        return f"{self.prefix}requests:{tenant_id}:t"
+
+    def requests_of_user(self, tenant_id: str, user: str) -> str:
+        return f"{self.prefix}requests:{tenant_id}:u:{user}"
 
     @property
     def audit_next(self) -> str:

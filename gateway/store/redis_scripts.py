@@ -48,12 +48,18 @@ return {redis.call('HGETALL', ARGV[2] .. id), redis.call('HGETALL', ARGV[3] .. t
 """
 
 # KEYS: tenant:{tid}, adapter_versions:{tid}, adapters:{tid}, sha_refs, adapter_totals:{tid}, adapters_shared.
-# ARGV: name, record key base, sha256, size_bytes, shared ('1'/'0'), field, value, ...
+# ARGV: name, record key base, sha256, size_bytes, shared ('1'/'0'), max live versions, max live bytes
+# ('-1': no limit), field, value, ...  Returns the new version, or {-1 | -2, count, bytes} (nothing written)
+# when the tenant's live count (-1) or bytes (-2) would pass the limit: check and insert are one write.
 ADD_ADAPTER_VERSION = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local totals = redis.call('HMGET', KEYS[5], 'count', 'bytes')
+local count, bytes = tonumber(totals[1] or '0'), tonumber(totals[2] or '0')
+if ARGV[6] ~= '-1' and count + 1 > tonumber(ARGV[6]) then return {-1, count, bytes} end
+if ARGV[7] ~= '-1' and bytes + tonumber(ARGV[4]) > tonumber(ARGV[7]) then return {-2, count, bytes} end
 local version = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 local key = ARGV[2] .. version
-redis.call('HSET', key, 'version', version, unpack(ARGV, 6))
+redis.call('HSET', key, 'version', version, unpack(ARGV, 8))
 redis.call('SADD', KEYS[3], key)
 redis.call('HINCRBY', KEYS[4], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[5], 'count', 1)

@@ -8,6 +8,7 @@ Durability is the server's: configure AOF (`appendonly yes`) if usage and audit 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,18 +16,20 @@ from typing import Any
 import redis
 
 from gateway.store import redis_scripts
-from gateway.store.base import Store, require
+from gateway.store.base import AdapterLimitExceeded, AdapterLimits, Store, require
 from gateway.store.errors import AlreadyExistsError, NotFoundError
 from gateway.store.models import (
     AdapterRecord,
     AdapterTotals,
     ApiKey,
     AuditEntry,
+    RequestRecord,
     Tenant,
     UsageTotals,
     check_sha256,
 )
 from gateway.store.redis_keys import RedisKeys
+from gateway.store.request_records import record_from_json, record_json
 from gateway.store.stored_policy import read_policy
 from gateway.store.usage_buckets import DAY, floor_to
 
@@ -186,7 +189,7 @@ class RedisStore(Store):
 
     # ---- adapters --------------------------------------------------------------------------------
 
-    def _insert_adapter_version(self, draft: AdapterRecord) -> int:
+    def _insert_adapter_version(self, draft: AdapterRecord, limits: AdapterLimits | None) -> int:
         t = draft.tenant_id
         keys = [self.keys.tenant(t), self.keys.adapter_versions(t), self.keys.adapters_of(t), self.keys.sha_refs,
                 self.keys.adapter_totals(t), self.keys.adapters_shared]
@@ -194,9 +197,14 @@ class RedisStore(Store):
                   "target_modules", json.dumps(list(draft.target_modules)), "size_bytes", draft.size_bytes,
                   "description", draft.description, "created_at", repr(draft.created_at),
                   "shared", flag(draft.shared)]
+        bounds = (limits.max_count, limits.max_bytes) if limits is not None else (-1, -1)
         args: list[str | int] = [draft.name, self.keys.adapter_base(t, draft.name), draft.sha256,
-                                 draft.size_bytes, flag(draft.shared), *fields]
+                                 draft.size_bytes, flag(draft.shared), *bounds, *fields]
         version = self._run("ADD_ADAPTER_VERSION", keys, args)
+        if isinstance(version, list):  # refused by a limit: {-1 | -2, count, bytes}
+            assert limits is not None
+            code, count, size = (int(v) for v in version)
+            raise AdapterLimitExceeded("count" if code == -1 else "bytes", AdapterTotals(count, size), limits)
         if not version:
             raise NotFoundError("tenant", t)
         return int(version)
@@ -263,6 +271,37 @@ class RedisStore(Store):
         """One read of the day counter (kept in the same script that bumps the hour)."""
         day = floor_to(self._now(at), DAY)
         return usage_from_hash(self._redis.hgetall(self.keys.usage_day(tenant_id, day)))
+
+    # ---- request records -------------------------------------------------------------------------
+
+    def _insert_requests(self, tenant_id: str, records: list[RequestRecord], cutoff: float, keep_s: float) -> None:
+        # NOTE: tenants are never deleted, so the check and the MULTI below cannot race a deletion.
+        if not self._redis.exists(self.keys.tenant(tenant_id)):
+            raise NotFoundError("tenant", tenant_id)
+        ttl = max(1, math.ceil(keep_s))
+        indexes = {self.keys.requests_by_time(tenant_id)}
+        pipe = self._redis.pipeline(transaction=True)
+        for r in records:
+            pipe.set(self.keys.request(tenant_id, r.request_id), record_json(r), ex=ttl)
+            pipe.zadd(self.keys.requests_by_time(tenant_id), {r.request_id: r.created_at})
+            if r.user is not None:
+                indexes.add(self.keys.requests_of_user(tenant_id, r.user))
+                pipe.zadd(self.keys.requests_of_user(tenant_id, r.user), {r.request_id: r.created_at})
+        for index in indexes:  # an index of an end user who sends nothing more expires with its last record
+            pipe.zremrangebyscore(index, "-inf", f"({cutoff!r}")
+            pipe.expire(index, ttl)
+        pipe.execute()
+
+    def _select_requests(self, tenant_id: str, user: str | None, since: float | None, before: float | None,
+                         limit: int) -> list[RequestRecord]:
+        index = self.keys.requests_by_time(tenant_id) if user is None else self.keys.requests_of_user(tenant_id, user)
+        upper = "+inf" if before is None else f"({before!r}"
+        lower = "-inf" if since is None else repr(since)
+        ids = self._redis.zrevrangebyscore(index, upper, lower, start=0, num=limit)
+        if not ids:
+            return []
+        texts = self._redis.mget([self.keys.request(tenant_id, i) for i in ids])
+        return [record_from_json(t) for t in texts if t is not None]  # None: expired, index not pruned yet
 
     # ---- audit -----------------------------------------------------------------------------------
 

@@ -71,6 +71,28 @@ CREATE TABLE IF NOT EXISTS audit_log (
     before TEXT NOT NULL,                   -- JSON
     after  TEXT NOT NULL                    -- JSON
 );
+-- One row per served request (gateway/store/models.py RequestRecord), pruned after a retention period.
+CREATE TABLE IF NOT EXISTS request_records (
+    seq               INTEGER PRIMARY KEY AUTOINCREMENT,  -- write order: breaks created_at ties
+    tenant_id         TEXT NOT NULL REFERENCES tenants(id),
+    request_id        TEXT NOT NULL,
+    created_at        REAL NOT NULL,
+    key_id            TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    adapter           TEXT,
+    prompt_tokens     INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    cached_tokens     INTEGER NOT NULL,
+    finish_reasons    TEXT NOT NULL,        -- JSON list, one per choice
+    outcome           TEXT NOT NULL,
+    end_user          TEXT,                 -- the request's `user`
+    safety_identifier TEXT,
+    metadata          TEXT NOT NULL,        -- JSON object
+    UNIQUE (tenant_id, request_id)
+);
+CREATE INDEX IF NOT EXISTS request_records_by_time ON request_records (tenant_id, created_at);
+CREATE INDEX IF NOT EXISTS request_records_by_user ON request_records (tenant_id, end_user, created_at)
+    WHERE end_user IS NOT NULL;
 """
 
 

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 
-from gateway.store.base import Store, require
+from gateway.store.base import AdapterLimitExceeded, AdapterLimits, Store, require
 from gateway.store.errors import AlreadyExistsError, NotFoundError
 from gateway.store.models import (
     AdapterRecord,
     AdapterTotals,
     ApiKey,
     AuditEntry,
+    RequestRecord,
     Tenant,
     UsageTotals,
     check_sha256,
 )
+from gateway.store.request_records import SQLITE_COLUMNS, record_from_row, record_row
 from gateway.store.sqlite_connections import SqliteConnections, SqliteOptions
 from gateway.store.sqlite_schema import prepare_database
 from gateway.store.stored_policy import read_policy
@@ -48,6 +51,14 @@ def adapter_from_row(row: sqlite3.Row) -> AdapterRecord:
     )
 
 
+def create_private_file(path: Path) -> None:
+    """Make `path` readable by its owner alone (0600; new parent directories 0700) before SQLite opens
+    it: SQLite gives its -wal and -shm files the database file's mode. An existing file is narrowed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
+
+
 class SqliteStore(Store):
     """Store in the SQLite file at `path` (created with its parent directory if missing).
 
@@ -59,7 +70,7 @@ class SqliteStore(Store):
         self.path = Path(path)
         if self.path.is_dir():
             raise ValueError(f"store path {self.path} is a directory; name a file such as {self.path / 'store.db'}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private_file(self.path)
         self._db = SqliteConnections(self.path, options or SqliteOptions())
         with self._db.borrow() as conn:
             prepare_database(conn)
@@ -165,9 +176,15 @@ class SqliteStore(Store):
 
     # ---- adapters --------------------------------------------------------------------------------
 
-    def _insert_adapter_version(self, draft: AdapterRecord) -> int:
-        with self._db.write() as conn:
+    def _insert_adapter_version(self, draft: AdapterRecord, limits: AdapterLimits | None) -> int:
+        with self._db.write() as conn:  # BEGIN IMMEDIATE: the limit check and the insert are one transaction
             require("tenant", draft.tenant_id, self._tenant_where(conn, "t.id = ?", draft.tenant_id))
+            if limits is not None:
+                totals = _adapter_totals(conn, draft.tenant_id)
+                if totals.count + 1 > limits.max_count:
+                    raise AdapterLimitExceeded("count", totals, limits)
+                if totals.size_bytes + draft.size_bytes > limits.max_bytes:
+                    raise AdapterLimitExceeded("bytes", totals, limits)
             version = conn.execute(
                 "INSERT INTO adapter_names (tenant_id, name, last_version) VALUES (?, ?, 1) "
                 "ON CONFLICT (tenant_id, name) DO UPDATE SET last_version = last_version + 1 "
@@ -236,12 +253,7 @@ class SqliteStore(Store):
 
     def adapter_totals(self, tenant_id: str) -> AdapterTotals:
         with self._db.borrow() as conn:
-            count, size = conn.execute(
-                "SELECT count(*), coalesce(sum(size_bytes), 0) FROM adapters "
-                "WHERE tenant_id = ? AND deleted_at IS NULL",
-                (tenant_id,),
-            ).fetchone()
-        return AdapterTotals(count=count, size_bytes=size)
+            return _adapter_totals(conn, tenant_id)
 
     # ---- usage -----------------------------------------------------------------------------------
 
@@ -269,6 +281,29 @@ class SqliteStore(Store):
             ).fetchall()
         return [(r[0], UsageTotals(r[1], r[2], r[3], r[4])) for r in rows]
 
+    # ---- request records -------------------------------------------------------------------------
+
+    def _insert_requests(self, tenant_id: str, records: list[RequestRecord], cutoff: float, keep_s: float) -> None:
+        with self._db.write() as conn:
+            require("tenant", tenant_id, self._tenant_where(conn, "t.id = ?", tenant_id))
+            conn.executemany(f"INSERT OR REPLACE INTO request_records ({', '.join(SQLITE_COLUMNS)}) "
+                             f"VALUES ({', '.join('?' * len(SQLITE_COLUMNS))})", [record_row(r) for r in records])
+            conn.execute("DELETE FROM request_records WHERE tenant_id = ? AND created_at < ?", (tenant_id, cutoff))
+
+    def _select_requests(self, tenant_id: str, user: str | None, since: float | None, before: float | None,
+                         limit: int) -> list[RequestRecord]:
+        where, args = ["tenant_id = ?"], list[str | float]([tenant_id])
+        for clause, value in (("end_user = ?", user), ("created_at >= ?", since), ("created_at < ?", before)):
+            if value is not None:
+                where.append(clause)
+                args.append(value)
+        with self._db.borrow() as conn:
+            rows = conn.execute(
+                f"SELECT {', '.join(SQLITE_COLUMNS)} FROM request_records WHERE {' AND '.join(where)} "
+                "ORDER BY created_at DESC, seq DESC LIMIT ?", (*args, limit),
+            ).fetchall()
+        return [record_from_row(r) for r in rows]
+
     # ---- audit -----------------------------------------------------------------------------------
 
     def _insert_audit(
@@ -289,3 +324,11 @@ class SqliteStore(Store):
                 (before_id if before_id is not None else 2**63 - 1, limit),
             ).fetchall()
         return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6])) for r in rows]
+
+
+def _adapter_totals(conn: sqlite3.Connection, tenant_id: str) -> AdapterTotals:
+    count, size = conn.execute(
+        "SELECT count(*), coalesce(sum(size_bytes), 0) FROM adapters WHERE tenant_id = ? AND deleted_at IS NULL",
+        (tenant_id,),
+    ).fetchone()
+    return AdapterTotals(count=count, size_bytes=size)

@@ -36,6 +36,13 @@ class EngineClient(ABC):
     @abstractmethod
     async def healthy(self) -> bool: ...
 
+    @abstractmethod
+    async def unload_adapter(self, sha256: str) -> None:
+        """Tell the worker(s) to forget the adapter with this content (its last live record was deleted):
+        its device slot and host memory are freed once the requests running on it end. Best effort: a
+        worker that cannot be reached is skipped (logged); it gets no request for deleted content anyway,
+        since the gateway resolves adapters from the store on every request."""
+
     async def close(self) -> None:
         return None
 
@@ -63,3 +70,6 @@ class InProcessEngineClient(EngineClient):
 
     async def healthy(self) -> bool:
         return True
+
+    async def unload_adapter(self, sha256: str) -> None:
+        await self.service.unload_adapter(sha256)

@@ -120,6 +120,13 @@ class HttpEngineClient(EngineClient):
             return False
         return resp.status_code == 200
 
+    async def unload_adapter(self, sha256: str) -> None:
+        try:
+            resp = await self._http.post("/adapters/unload", json={"sha256": sha256}, timeout=10.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            log.warning("worker %s was not told to unload adapter %s: %s", self.base_url, sha256[:12], e)
+
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()

@@ -13,6 +13,7 @@ tokens were already sent) and is health-checked at once. With no healthy worker,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Collection
 
@@ -112,6 +113,13 @@ class RoutingEngineClient(EngineClient):
 
     async def healthy(self) -> bool:
         return bool(self.registry.healthy_workers())
+
+    async def unload_adapter(self, sha256: str) -> None:
+        """Every worker this gateway knows, in rotation or not, concurrently."""
+        workers = self.registry.all_workers()
+        for worker in workers:
+            worker.adapters_sent.discard(sha256)
+        await asyncio.gather(*(w.client.unload_adapter(sha256) for w in workers))
 
     async def close(self) -> None:
         await self.registry.close()

@@ -144,3 +144,33 @@ def test_greedy_outputs_identical_with_cache_on_and_off(llama_dir):
     assert on.engine.scheduler.stats.num_preemptions > 0
     assert sum(o.num_cached_tokens for o in outs_on) > 0
     on.engine.scheduler.check_integrity()
+
+
+def test_blocks_only_the_tree_holds_count_as_evictable_and_free_in_usage():
+    pool, tree = cache(num_blocks=16)
+    insert(pool, tree, "x", [1, 2, 3, 4, 5, 6, 7, 8])
+    insert(pool, tree, "y", [1, 2, 3, 4, 9, 9, 9, 9])  # a split: shared [1..4] stays locked by both
+    assert tree.num_blocks == 3 and tree.num_evictable_blocks == 0
+    tree.unlock("x")
+    assert tree.num_evictable_blocks == 1  # x's own leaf; the shared page is still y's
+    tree.unlock("y")
+    assert tree.num_evictable_blocks == 3
+    tree.match_and_lock("q", NS, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert tree.num_evictable_blocks == 1
+    tree.check_integrity()
+    tree.unlock("q")
+    pool.free(tree.held_blocks())  # the inserting callers' own references
+    assert tree.evict(10) == 3 and tree.num_evictable_blocks == 0
+    tree.check_integrity()
+
+
+def test_kv_usage_counts_what_requests_hold_not_what_the_cache_keeps():
+    s = make_scheduler(num_blocks=32, block_size=4)
+    r = Request("r", list(range(1, 18)), SP(max_tokens=1))
+    s.add_request(r)
+    plan = s.schedule()
+    assert s.kv.usage() > 0  # the running request holds its blocks
+    s.update(plan, FakeRunner().execute(plan))
+    assert r.request_id not in s.requests
+    assert s.kv.prefix_cache is not None and s.kv.prefix_cache.num_blocks == 4
+    assert s.kv.num_free_blocks == 28 and s.kv.usage() == 0.0

@@ -63,15 +63,18 @@ class AdapterServer:
 
 
 @contextlib.contextmanager
-def running_adapter_server(model_dir: Path, data_dir: Path) -> Iterator[AdapterServer]:
-    """Tenants acme and globex (defaults), tight (TIGHT_BYTES of adapters) and single (one adapter)."""
+def running_adapter_server(model_dir: Path, data_dir: Path, max_upload_bytes: int = MAX_UPLOAD_BYTES,
+                           engine_options: dict | None = None, **gateway_options) -> Iterator[AdapterServer]:
+    """Tenants acme and globex (defaults), tight (TIGHT_BYTES of adapters) and single (one adapter).
+    `gateway_options`: GatewayConfig fields over the defaults here (e.g. upload_read_timeout_s);
+    `engine_options`: EngineConfig fields over ENGINE_ARGS (e.g. num_kv_blocks)."""
     store = SqliteStore(data_dir / "store.db")
-    llm = AsyncLLM.from_config(EngineConfig(model=str(model_dir), **ENGINE_ARGS))
+    llm = AsyncLLM.from_config(EngineConfig(model=str(model_dir), **{**ENGINE_ARGS, **(engine_options or {})}))
     client = InProcessEngineClient(WorkerService(llm, BASE_MODEL, WorkerCapabilities.of_engine(llm.engine.config)))
     config = GatewayConfig(served_model_name=BASE_MODEL, adapter_root=data_dir / "adapters",
-                           max_body_bytes=64 * 1024)
+                           max_body_bytes=64 * 1024, **gateway_options)
     uploads = AdapterUploadConfig(ModelConfig.from_pretrained(model_dir), max_lora_rank=ENGINE_ARGS["max_lora_rank"],
-                                  max_upload_bytes=MAX_UPLOAD_BYTES, archive_limits=ArchiveLimits(max_total_bytes=64 << 20))
+                                  max_upload_bytes=max_upload_bytes, archive_limits=ArchiveLimits(max_total_bytes=64 << 20))
     app = build_app(config, store, client, llm.tokenizer, admission=serve_admission(ENGINE_ARGS["max_num_seqs"], data_dir),
                     adapter_uploads=uploads)
     policies = {"acme": {}, "globex": {}, "tight": {"max_adapter_bytes": TIGHT_BYTES}, "single": {"max_adapters": 1}}

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.observability.metrics import OTHER_TENANTS, GatewayMetrics, ScrapeInputs, TenantLabeler
 from gateway.observability.telemetry import TelemetryConfig
 from tests.gateway.admin_stack import start_admin_stack
-from tests.gateway.conftest import BASE_MODEL
+from tests.gateway.conftest import BASE_MODEL, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,11 @@ def test_counters_match_the_traffic_sent(stack):
     assert httpx.post(stack.url + "/v1/chat/completions", headers={"authorization": f"Bearer {stack.tenant_key}"},
                       json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
 
-    m = scrape(stack)
     requests = "loraplex_requests_total"
+    # a request is counted once its response is done, which a client can see a moment before the server
+    # records it (the last bytes of a stream): wait until all nine are in, then check every figure
+    assert wait_until(lambda: sum(v for k, v in scrape(stack).items() if k[0] == requests) == 9)
+    m = scrape(stack)
     assert value(m, requests, tenant="acme", model=BASE_MODEL, status="200") == 4
     assert value(m, requests, tenant="acme", model="-", status="404") == 1
     assert value(m, requests, tenant="limited", model=BASE_MODEL, status="200") == 1

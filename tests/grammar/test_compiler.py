@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from grammar import GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec
+from tests.grammar.constrained_sampling import greedy_ids
 
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "schemas.json").read_text())
 SLOW_REGEX = r"(a|b)*a(a|b){10}"  # its DFA has ~2^11 states: ~40 ms to index with outlines-core
@@ -68,7 +69,8 @@ def test_compile_past_the_time_limit_fails_with_grammar_error(tokenizer_infos):
 @pytest.mark.parametrize("backend, limits, spec, message", [
     ("outlines", GrammarLimits(max_states=100), GrammarSpec.regex(SLOW_REGEX), "too large: its automaton has"),
     ("llguidance", GrammarLimits(max_grammar_symbols=20), GrammarSpec.json_schema(SCHEMAS["defs_ref"]),
-     "refused by llguidance"),
+     r"^json_schema at #: refused by the llguidance backend: grammar size .*"
+     r"\(GrammarLimits.max_grammar_symbols = 20\)$"),
     ("llguidance", GrammarLimits(max_spec_chars=50), GrammarSpec.json_schema(SCHEMAS["nested_object"]),
      "too large: .* characters"),
 ])
@@ -86,6 +88,20 @@ def test_invalid_regex_is_refused_at_submission_by_either_backend(compilers):
             compiler.submit(GrammarSpec.regex("(?=a)b"))
         with pytest.raises(GrammarError, match="unclosed group"):
             compiler.check(GrammarSpec.regex("(unclosed"))
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+def test_rollback_undoes_tokens_and_an_accepted_eos(compilers, tokenizer_infos, backend):
+    info = tokenizer_infos["byte_bpe"]
+    matcher = compilers("byte_bpe", backend).compile(GrammarSpec.json_schema({"type": "integer"})).matcher()
+    ids = greedy_ids(info, "123")
+    assert all(matcher.accept_token(t) for t in ids)
+    assert matcher.accept_token(info.eos_token_ids[0]) and matcher.is_terminated()
+    matcher.rollback(1)  # the EOS
+    assert not matcher.is_terminated() and matcher.is_accepting()
+    matcher.rollback(len(ids))
+    assert not matcher.is_accepting()
+    assert not matcher.accept_token(greedy_ids(info, "}")[0]) and matcher.accept_token(ids[0])
 
 
 def test_unknown_backend_and_bad_settings(tokenizer_infos):

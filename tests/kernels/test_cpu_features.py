@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kernels import cpu_features
 from kernels.cpu_features import bf16_support, cpu_dtype_reason, cpu_flags, default_cpu_dtype
 
 ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"
@@ -36,3 +38,34 @@ def test_float32_without_native_bf16() -> None:
 def test_this_machine_gets_a_dtype_and_a_reason() -> None:
     assert default_cpu_dtype() in (torch.float32, torch.bfloat16)
     assert cpu_dtype_reason().split(":")[0] == str(default_cpu_dtype()).removeprefix("torch.")
+
+
+def test_engine_auto_dtype_on_cpu_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from engine.config import EngineConfig
+    from wire.checkpoint import ModelConfig
+
+    monkeypatch.delenv(cpu_features.CPU_DTYPE_ENV, raising=False)
+    model = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+                                   "intermediate_size": 16, "vocab_size": 32, "torch_dtype": "float32"})
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(cpu_features, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(cpu_features.platform, "machine", lambda: "x86_64")
+    cpuinfo.write_text("flags\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert EngineConfig(model="unused").torch_dtype(model) is torch.bfloat16
+    assert "avx512_bf16" in EngineConfig(model="unused").dtype_reason(model)
+    cpuinfo.write_text("flags\t: fpu sse2 avx2\n")
+    assert EngineConfig(model="unused").torch_dtype(model) is torch.float32
+    # an explicit dtype wins; quantized weights take bf16 activations whatever the CPU
+    assert EngineConfig(model="unused", dtype="float32").dtype_reason(model) == "float32: set by dtype=float32"
+    assert EngineConfig(model="unused", quantization="int8").torch_dtype(model) is torch.bfloat16
+
+
+def test_the_cpu_default_can_be_pinned_for_a_process_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_features.CPU_DTYPE_ENV, "bfloat16")
+    assert default_cpu_dtype() is torch.bfloat16
+    assert cpu_dtype_reason() == "bfloat16: pinned by LORAPLEX_CPU_DTYPE"
+    monkeypatch.setenv(cpu_features.CPU_DTYPE_ENV, "float32")
+    assert default_cpu_dtype() is torch.float32
+    monkeypatch.setenv(cpu_features.CPU_DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_DTYPE must be one of float32, bfloat16"):
+        default_cpu_dtype()

@@ -18,6 +18,7 @@ function h(tag, attrs, ...children) {
     if (v === null || v === undefined || v === false) continue;
     if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
     else if (k === "class") el.className = v;
+    else if (k === "style") el.style.cssText = v;  // through the CSSOM: the page's CSP refuses style attributes
     else el.setAttribute(k, v === true ? "" : v);
   }
   for (const c of children.flat()) if (c !== null && c !== undefined) el.append(c instanceof Node ? c : String(c));

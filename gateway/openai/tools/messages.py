@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.http.errors import invalid_request
+from gateway.http.json_body import has_lone_surrogate
 from gateway.openai.tools.plan import ToolPlan
 from tokenization.tool_formats import ToolCalling, describe_tools
 
@@ -73,10 +74,14 @@ def template_messages(messages: Sequence[Mapping[str, Any]], calling: ToolCallin
 def _arguments(text: Any, i: int, j: int) -> Any:
     param = f"messages[{i}].tool_calls[{j}].function.arguments"
     try:
-        return json.loads(text)
-    except (TypeError, ValueError):
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
         raise invalid_request(f"Invalid '{param}': the arguments must be a JSON string.", param=param,
                               code="invalid_value") from None
+    if has_lone_surrogate(value):  # "\ud800" inside the arguments' own JSON: no character, nothing to render
+        raise invalid_request(f"Invalid '{param}': the arguments hold a lone UTF-16 surrogate.", param=param,
+                              code="invalid_unicode")
+    return value
 
 
 def _without_tool_markup(messages: list[dict[str, Any]], calling: ToolCalling,

@@ -1,0 +1,95 @@
+"""A fault no request can be blamed for: every stream in flight ends with engine_error, then the worker
+process exits so that its supervisor starts a fresh one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from wire.protocol import WORKER_SECRET_HEADER, GenerateRequest
+from wire.sampling import SamplingParams
+from worker.server import FATAL_EXIT_CODE
+
+SECRET = "s3cret"
+
+# The worker as worker.cli runs it (on_fatal=exit_on_engine_fault), with a fault injected around the real
+# forward that only a batch of two or more sequences hits: each half runs, so nobody can be blamed.
+WORKER = """
+import sys
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from worker.capabilities import WorkerCapabilities
+from worker.server import FATAL_EXIT_CODE, exit_on_engine_fault, run_worker
+
+llm = AsyncLLM.from_config(EngineConfig(model=sys.argv[1], num_kv_blocks=64, block_size=4),
+                           on_fatal=exit_on_engine_fault)
+runner, seen = llm.engine.runner, {"n": 0}
+execute, forward = runner.execute, runner.model.forward
+
+def recording_execute(plan):
+    seen["n"] = len(plan.seqs)
+    return execute(plan)
+
+def faulty_forward(*args, **kwargs):
+    if seen["n"] >= 2:
+        raise RuntimeError("Injected fault")
+    return forward(*args, **kwargs)
+
+runner.execute, runner.model.forward = recording_execute, faulty_forward
+run_worker(llm, "tiny", sys.argv[3], WorkerCapabilities.of_engine(llm.engine.config), port=int(sys.argv[2]))
+sys.exit(FATAL_EXIT_CODE if llm.fatal_error is not None else 0)
+"""
+
+
+@pytest.mark.slow
+def test_an_unattributable_fault_ends_every_stream_then_the_worker_exits(llama_dir, tmp_path):
+    port = free_port()
+    script = tmp_path / "faulty_worker.py"  # NOTE: not worker.py, which would shadow the worker package
+    script.write_text(WORKER)
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen([sys.executable, str(script), str(llama_dir), str(port), SECRET],
+                                stdout=subprocess.DEVNULL, stderr=log_file)
+    url = f"http://127.0.0.1:{port}"
+    headers = {WORKER_SECRET_HEADER: SECRET}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", headers=headers, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        last_lines: dict[str, dict] = {}
+
+        def generate(rid: str) -> None:
+            request = GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(max_tokens=60, temperature=0.0,
+                                                                         ignore_eos=True))
+            with httpx.stream("POST", url + "/generate", headers=headers, json=request.to_json(), timeout=60) as r:
+                lines = [json.loads(line) for line in r.iter_lines() if line]
+            last_lines[rid] = lines[-1]
+
+        threads = [threading.Thread(target=generate, args=(rid,)) for rid in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        for rid in ("a", "b"):
+            assert last_lines[rid]["type"] == "error" and last_lines[rid]["code"] == "engine_error", last_lines
+            assert "Injected" not in last_lines[rid]["message"]
+        # uvicorn ends a graceful shutdown with the signal that started it; a hung one exits FATAL_EXIT_CODE
+        assert proc.wait(timeout=60) in (-signal.SIGTERM, FATAL_EXIT_CODE)
+        assert "the worker exits" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
