@@ -7,6 +7,7 @@ has written KV for everyone), after real sampling (so every generator has drawn)
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -295,6 +296,10 @@ def test_an_unattributable_fault_fails_everything_in_flight_and_calls_on_fatal(l
 
     results = asyncio.run(main())
     assert all(isinstance(r, RequestError) and r.code is ErrorCode.ENGINE_ERROR for r in results), results
+    # on_fatal runs on the loop thread just after the streams were failed: give it the moment it needs
+    deadline = time.monotonic() + 10
+    while not fatal and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(fatal) == 1 and isinstance(fatal[0], EngineFault) and llm.fatal_error is fatal[0]
     late = asyncio.run(one("c"))  # the loop has stopped: nothing new is taken (the worker restarts)
     assert isinstance(late, RequestError) and late.code is ErrorCode.WORKER_UNAVAILABLE
