@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.async_llm import AsyncLLM
     from engine.config import EngineConfig
     from worker.capabilities import WorkerCapabilities
-    from worker.server import run_worker
+    from worker.server import exit_on_engine_fault, run_worker
     from worker.tracing import build_tracer_provider
 
     try:
@@ -91,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
         tracer_provider = build_tracer_provider(args.otlp_endpoint)
     except ValueError as e:
         raise WorkerCommandError(str(e)) from None
-    from worker.server import exit_on_engine_fault
-
     llm = AsyncLLM.from_config(config, on_fatal=exit_on_engine_fault)
     print(f"{PROG}: compute dtype {config.dtype_reason(llm.model_config)}", file=sys.stderr, flush=True)
     served_name = args.served_model_name or Path(args.model).name
