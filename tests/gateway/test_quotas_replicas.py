@@ -163,7 +163,10 @@ def test_a_killed_gateway_frees_its_lease_within_the_ttl(replicas):
                 doomed.kill()
                 killed_at = time.monotonic()
             refused = client.post(survivor + "/v1/completions", headers=headers, json=completion_body(4, 1))
-            assert refused.status_code == 429, refused.text  # the dead gateway's lease still counts
+            if time.monotonic() - killed_at < LEASE_TTL_S:  # answered inside the ttl: the dead lease still counts
+                assert refused.status_code == 429, refused.text
+            else:  # a loaded machine took longer than the ttl to answer: the lease may have expired meanwhile
+                assert refused.status_code in (200, 429), refused.text
             while True:
                 resp = client.post(survivor + "/v1/completions", headers=headers, json=completion_body(4, 1))
                 if resp.status_code == 200:
