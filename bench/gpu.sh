@@ -7,7 +7,8 @@
 #    no GPU needed, over all cores): bench/results/triton_aot.json;
 # 2. the GPU kernel tests: every test under tests/kernels on the device (the Triton tests compile for the
 #    local GPU and compare against the torch twins; the gpu-marked ones at realistic sizes), except the
-#    default-tier compile sweep, which step 1 covers;
+#    default-tier compile sweep, which step 1 covers; and the CUDA-graph decode check
+#    (tests/engine/test_decode_graphs.py: captured buckets give the eager path's tokens);
 # 3. bench.gpu_kernels: Triton paged attention and LoRA vs the torch twins, a table on stdout and
 #    bench/results/gpu_kernels.json.
 # Results land in bench/results/ (triton_aot.{json,log}, gpu_tests.{xml,log}, gpu_kernels.{json,log},
@@ -75,7 +76,7 @@ fi
 
 echo "== 2/3 GPU kernel tests (timeout ${TEST_TIMEOUT}s)"
 set +e
-timeout --kill-after=30 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/kernels \
+timeout --kill-after=30 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_decode_graphs.py \
   -k "not every_dispatchable_variant" --junitxml="$RESULTS/gpu_tests.xml" -o timeout=600 \
   2>&1 | tee "$RESULTS/gpu_tests.log"
 test_status=${PIPESTATUS[0]}

@@ -49,6 +49,10 @@ class EngineConfig:
     # (group-wise). A GPTQ checkpoint runs as int4 either way.
     quantization: str = "none"
     quantization_group_size: int | None = None  # int4 only; None: the largest of 128/64/32 that fits the model
+    # Decode steps through fixed-size buckets with persistent inputs (engine.decode_graph), replayed as CUDA
+    # graphs on a GPU. None: on for CUDA, off on the CPU (no launch overhead to save there; measured).
+    decode_graphs: bool | None = None
+    decode_graph_max_batch: int = 32  # the largest bucket; bigger decode batches run the plain path
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -61,6 +65,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
+        if self.decode_graph_max_batch < 1:
+            raise ValueError(f"decode_graph_max_batch must be positive, got {self.decode_graph_max_batch}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization_group_size is not None and (
@@ -88,6 +94,9 @@ class EngineConfig:
         if self.quantization != "none" or "quantization_config" in model_config.raw:
             return f"{name}: quantized weights take bf16 activations on CPU"
         return cpu_dtype_reason()
+
+    def uses_decode_graphs(self) -> bool:
+        return self.device.startswith("cuda") if self.decode_graphs is None else self.decode_graphs
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         return self.max_model_len or model_config.max_position_embeddings

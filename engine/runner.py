@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.decode_graph import DecodeGraphs
 from engine.loader import load_weights
 from engine.models.llama import AttentionInputs, LlamaModel
 from engine.plan import BatchPlan, ModelOutput, SampleRow
@@ -43,21 +44,28 @@ class ModelRunner:
         self.model = LlamaModel(model_config, weights, self.device, self.max_model_len)
         self.weight_bytes = self.model.weight_bytes  # resident parameter bytes (worker state and metrics)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        # one block past the pool: the scratch block decode buckets' pad rows write into (no sequence owns it)
         self.kv_caches = [(self._kv_buffer(), self._kv_buffer()) for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
         self.lora = lora
         self.grammar_masker = grammar_masker
+        self.decode_graphs = None
+        if config.uses_decode_graphs():
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.block_size, self.max_model_len, scratch_block=self.num_blocks,
+                device=self.device, max_batch=min(config.decode_graph_max_batch, config.max_num_seqs),
+                sliding_window=model_config.sliding_window)
 
     def _kv_buffer(self) -> torch.Tensor:
         """One layer's keys or values: logical shape (num_blocks, block_size, H_kv, D), the layout every
         attention kernel takes. On the CPU the storage is head-major, (H_kv, num_blocks, block_size, D),
         so the torch path gathers a decode batch's keys without a second copy; Triton reads any strides.
         """
-        mc, bs = self.model_config, self.config.block_size
+        mc, bs, blocks = self.model_config, self.config.block_size, self.num_blocks + 1  # + the scratch block
         if self.device.type == "cpu":
-            storage = torch.zeros(mc.num_kv_heads, self.num_blocks, bs, mc.head_dim, dtype=self.dtype)
+            storage = torch.zeros(mc.num_kv_heads, blocks, bs, mc.head_dim, dtype=self.dtype)
             return storage.permute(1, 2, 0, 3)
-        return torch.zeros(self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(blocks, bs, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
 
     def _blocks_that_fit(self) -> int:
         mc = self.model_config
@@ -72,13 +80,16 @@ class ModelRunner:
         if plan.is_empty:
             return ModelOutput([])
         dev = self.device
-        input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=dev)  # (T,)
-        positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # (T,)
-        attn = self._attention_inputs([s.block_table for s in plan.seqs],
-                                      [s.query_start for s in plan.seqs] + [plan.num_tokens],
-                                      [s.seq_len for s in plan.seqs], plan.slot_mapping)
-        lora_ctx = self.lora.context(plan) if self.lora is not None else None
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, attn, lora_ctx)  # (T, H)
+        if self.decode_graphs is not None and self.decode_graphs.accepts(plan):
+            hidden = self.decode_graphs.run(plan, self.lora.context_for_tokens if self.lora is not None else None)
+        else:
+            input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=dev)  # (T,)
+            positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # (T,)
+            attn = self._attention_inputs([s.block_table for s in plan.seqs],
+                                          [s.query_start for s in plan.seqs] + [plan.num_tokens],
+                                          [s.seq_len for s in plan.seqs], plan.slot_mapping)
+            lora_ctx = self.lora.context(plan) if self.lora is not None else None
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, attn, lora_ctx)  # (T, H)
         if not plan.sample_rows:
             return ModelOutput([])
         index = torch.tensor([r.token_index for r in plan.sample_rows], device=dev)

@@ -132,17 +132,46 @@ def paged_attention_ref(
         table = block_tables[i, :n_blocks]
         keys = k_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()  # (H_kv, S, D)
         values = v_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()
-        qs = q[starts[i] : starts[i + 1]].float()  # (n, H_q, D)
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]  # (n, S)
-        if sliding_window is not None:
-            allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(0, 1), keys, values, attn_mask=allowed, scale=scale, enable_gqa=group > 1
-        )  # (H_q, n, D)
-        out[starts[i] : starts[i + 1]] = attn.transpose(0, 1).to(q.dtype)
+        out[starts[i] : starts[i + 1]] = _prefill_chunk(q[starts[i] : starts[i + 1]].float(), keys, values, scale,
+                                                        sliding_window).to(q.dtype)
     return out
+
+
+PREFILL_QUERY_BLOCK = 128  # query rows per block of a prefill chunk's attention
+
+
+def _prefill_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                   sliding_window: int | None) -> torch.Tensor:
+    """One sequence's prefill chunk in fp32: q (n, H_q, D) at the last n of S positions, keys / values
+    (H_kv, S, D) -> (n, H_q, D).
+
+    Blocks of PREFILL_QUERY_BLOCK queries each multiply only the keys some query of the block can see
+    (causal: up to the block's last position; windowed: from its first query's window start), so a long
+    prompt's chunk does about half the work of a full (n, S) product. Every query head of a kv head shares
+    one batched matmul. The masked scores are filled in place: no mask tensor beyond the block's.
+    (torch's SDPA took ~50% of a 512-token prefill here, on its math path with a boolean mask.)
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, seq_len = keys.shape[0], keys.shape[1]
+    group, start = num_heads // num_kv_heads, seq_len - n
+    qh = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (H_kv, G, n, D)
+    out = torch.empty(num_kv_heads, group, n, head_dim, dtype=q.dtype, device=q.device)
+    for q0 in range(0, n, PREFILL_QUERY_BLOCK):
+        q1 = min(n, q0 + PREFILL_QUERY_BLOCK)
+        k_hi = start + q1  # keys visible to the block's last query
+        k_lo = 0 if sliding_window is None else max(0, start + q0 - sliding_window + 1)
+        rows, cols = q1 - q0, k_hi - k_lo
+        qb = qh[:, :, q0:q1].reshape(num_kv_heads, group * rows, head_dim)
+        scores = torch.bmm(qb, keys[:, k_lo:k_hi].transpose(1, 2)).view(num_kv_heads, group, rows, cols)
+        q_pos = torch.arange(start + q0, start + q1, device=q.device)
+        k_pos = torch.arange(k_lo, k_hi, device=q.device)
+        masked = k_pos[None, :] > q_pos[:, None]  # (rows, cols)
+        if sliding_window is not None:
+            masked |= k_pos[None, :] <= (q_pos[:, None] - sliding_window)
+        scores.mul_(scale).masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * rows, cols)
+        out[:, :, q0:q1] = torch.bmm(probs, values[:, k_lo:k_hi]).view(num_kv_heads, group, rows, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
 def paged_attention(
@@ -155,16 +184,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     plan: StepAttentionPlan | None = None,
+    decode_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: Triton kernels on CUDA, the torch reference elsewhere. Same semantics as the reference.
 
     `plan` is the torch path's per-step precomputation (see StepAttentionPlan); Triton ignores it.
+    `decode_seqs`: every sequence's index when all of them have one query token (Triton then reads no
+    query length on the host: a CUDA graph can hold the call); the torch path ignores it.
     """
     if q.is_cuda:
         from kernels import attention_triton
 
         return attention_triton.paged_attention(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, decode_seqs
         )
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
                                plan)

@@ -325,11 +325,14 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    decode_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref`: same arguments, same result (fp32 accumulation).
 
     Sequences with one query token go to the decode kernel, longer ones to the prefill kernel, in one
-    call each; sequences with no query tokens are skipped. Reads the query lengths on the host once.
+    call each; sequences with no query tokens are skipped. Reads the query lengths on the host once,
+    unless `decode_seqs` ((S,) int32, every sequence's index) says that all of them decode: then nothing
+    is read back, and the call can be captured in a CUDA graph (engine.decode_graph).
     Supports up to MAX_GROUP query heads per kv head and head_dim up to MAX_HEAD_DIM.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -349,9 +352,13 @@ def paged_attention(
                          f"at most {MAX_GROUP} and {MAX_HEAD_DIM}")
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
-    query_lens = torch.diff(query_start_loc).tolist()
-    decode_seqs = [s for s, n in enumerate(query_lens) if n == 1]
-    prefill_seqs = [s for s, n in enumerate(query_lens) if n > 1]
+    query_lens: list[int] = []
+    if decode_seqs is not None:
+        decode_list, prefill_seqs = list(range(decode_seqs.shape[0])), []
+    else:
+        query_lens = torch.diff(query_start_loc).tolist()
+        decode_list = [s for s, n in enumerate(query_lens) if n == 1]
+        prefill_seqs = [s for s, n in enumerate(query_lens) if n > 1]
     dot_fp32 = _dot_fp32(q.dtype)
     common = dict(
         scale=scale, sliding_window=sliding_window or 0,
@@ -362,10 +369,11 @@ def paged_attention(
         stride_table_seq=block_tables.stride(0), block_size=block_size,
         GROUP=group, HEAD_DIM=head_dim, USE_WINDOW=sliding_window is not None, DOT_FP32=dot_fp32,
     )
-    if decode_seqs:
-        seqs = torch.tensor(decode_seqs, dtype=torch.int32, device=q.device)
+    if decode_list:
+        seqs = decode_seqs if decode_seqs is not None else torch.tensor(decode_list, dtype=torch.int32,
+                                                                        device=q.device)
         config = decode_config(group, head_dim)
-        _decode_kernel[(len(decode_seqs), num_kv_heads)](
+        _decode_kernel[(len(decode_list), num_kv_heads)](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, seqs,
             USE_DOT=config["BLOCK_G"] >= 16, **config.launch_kwargs(), **common,
         )

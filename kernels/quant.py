@@ -2,7 +2,8 @@
 
 The matrices and their layouts are in kernels.quant_weights (W[n, k] = q[n, k] * scale[n] for int8,
 (q[n, k] - 8) * scale[g, n] + zero[g, n] for int4). `linear(x, w, bias)` is the model's one entry for every
-projection: a dense tensor goes to F.linear; a quantized weight to Triton on CUDA (kernels.quant_triton)
+projection: a dense tensor goes to F.linear, a dense weight `place` prepacked for oneDNN on the CPU
+(kernels.dense_cpu) to oneDNN's inner product; a quantized weight to Triton on CUDA (kernels.quant_triton)
 and to the CPU path (kernels.quant_cpu: torch's packed kernels or dequantize-then-F.linear, chosen per call
 by measured thresholds) otherwise. `linear_ref` is the torch reference twin the tests compare both against:
 one fp32 matmul over `dequantize(w)`. Quantizing (`quantize_int8`, `quantize_int4`) happens once, at load,
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_cpu
+from kernels import dense_cpu, quant_cpu
+from kernels.dense_cpu import PackedDense
 from kernels.quant_weights import (
     Int4Weight,
     Int8Weight,
@@ -25,8 +27,9 @@ from kernels.quant_weights import (
 )
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel and the Triton kernel's K tiles support
-Weight = torch.Tensor | QuantizedWeight  # what a model's projection holds
-__all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "QuantizedWeight", "Weight", "concat", "dequantize",
+Weight = torch.Tensor | QuantizedWeight | PackedDense  # what a model's projection holds
+__all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "PackedDense", "QuantizedWeight", "Weight", "concat",
+           "dequantize",
            "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place", "quantize_int4",
            "quantize_int8"]
 
@@ -43,6 +46,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     """
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if isinstance(w, PackedDense):
+        return dense_cpu.linear(x, w, bias)
     if x.dtype != _scales(w).dtype:
         raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {_scales(w).dtype}")
     if x.is_cuda:
@@ -60,8 +65,10 @@ def linear_ref(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = 
     return y.to(x.dtype)
 
 
-def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(w: QuantizedWeight | PackedDense, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The (N, K) matrix w stands for, computed in `dtype` (fp32: exactly the module docstring's formula)."""
+    if isinstance(w, PackedDense):
+        return dense_cpu.unpack(w).to(dtype)
     if isinstance(w, Int8Weight):
         return w.qweight.to(dtype) * w.scales.to(dtype)[:, None]
     return dequantize_int4(int4_values(w), w.scale_zeros, w.group_size, dtype)
@@ -123,11 +130,15 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def place(w: Weight, device: torch.device | str) -> Weight:
-    """w on `device` in the layout its kernels read: int4 goes to torch's CPU layout where that kernel
-    exists and N is a multiple of 16 (else it stays in nibbles and is dequantized per call)."""
+    """w on `device` in the layout its kernels read: a dense CPU weight is prepacked for oneDNN where that
+    runs natively (kernels.dense_cpu); int4 goes to torch's CPU layout where that kernel exists and N is a
+    multiple of 16 (else it stays in nibbles and is dequantized per call)."""
     device = torch.device(device)
+    if isinstance(w, PackedDense):
+        w = dense_cpu.unpack(w)
     if isinstance(w, torch.Tensor):
-        return w.to(device)
+        w = w.to(device)
+        return dense_cpu.pack(w) if dense_cpu.can_pack(w) else w
     if isinstance(w, Int8Weight):
         return Int8Weight(w.qweight.to(device), w.scales.to(device))
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4(w.shape[0]):
@@ -139,7 +150,7 @@ def place(w: Weight, device: torch.device | str) -> Weight:
 
 
 def nbytes(w: Weight) -> int:
-    """Resident bytes of a dense or quantized weight."""
+    """Resident bytes of a dense, packed or quantized weight."""
     return tensor_bytes(w) if isinstance(w, torch.Tensor) else w.nbytes
 
 

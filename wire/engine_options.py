@@ -8,7 +8,8 @@ import argparse
 
 def add_engine_options(group: argparse._ArgumentGroup) -> None:
     """--device, --dtype, --kv-cache-memory-gb, --max-num-seqs, --max-loras, --max-lora-rank, --quantization,
-    --quantization-group-size (EngineConfig fields of the same names)."""
+    --quantization-group-size, --decode-graphs (EngineConfig fields of the same names), and --threads (the
+    worker process's intra-op threads)."""
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--dtype", default="auto")
     group.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -20,3 +21,22 @@ def add_engine_options(group: argparse._ArgumentGroup) -> None:
                             "(a GPTQ checkpoint loads as int4 either way)")
     group.add_argument("--quantization-group-size", type=int, default=None,
                        help="int4 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 that fits)")
+    group.add_argument("--decode-graphs", choices=("auto", "on", "off"), default="auto",
+                       help="decode steps through fixed-size buckets, replayed as CUDA graphs on a GPU "
+                            "(auto: on for CUDA, off on the CPU)")
+    group.add_argument("--threads", type=positive_int, default=None,
+                       help="intra-op CPU threads of the worker (default: torch's, one per core). With "
+                            "other busy processes on the same cores, fewer threads than cores avoids "
+                            "OpenMP's spinning barriers stalling every step")
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def decode_graphs_value(choice: str) -> bool | None:
+    """--decode-graphs as EngineConfig.decode_graphs."""
+    return {"auto": None, "on": True, "off": False}[choice]

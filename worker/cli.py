@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from wire.engine_options import add_engine_options
+from wire.engine_options import add_engine_options, decode_graphs_value
 from worker.registration import HeartbeatConfig, WorkerHeartbeat
 
 SECRET_ENV = "LORAPLEX_WORKER_SECRET"
@@ -83,16 +83,25 @@ def run(args: argparse.Namespace) -> int:
     from worker.server import exit_on_engine_fault, run_worker
     from worker.tracing import build_tracer_provider
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
                               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                              quantization=args.quantization, quantization_group_size=args.quantization_group_size)
+                              quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                              decode_graphs=decode_graphs_value(args.decode_graphs))
         tracer_provider = build_tracer_provider(args.otlp_endpoint)
     except ValueError as e:
         raise WorkerCommandError(str(e)) from None
     llm = AsyncLLM.from_config(config, on_fatal=exit_on_engine_fault)
     print(f"{PROG}: compute dtype {config.dtype_reason(llm.model_config)}", file=sys.stderr, flush=True)
+    if config.device == "cpu":
+        import torch
+
+        print(f"{PROG}: {torch.get_num_threads()} intra-op CPU threads", file=sys.stderr, flush=True)
     served_name = args.served_model_name or Path(args.model).name
     run_worker(llm, served_name, secret, WorkerCapabilities.of_engine(config), host=args.host,
                port=args.port or DEFAULT_PORT, tracer_provider=tracer_provider,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
 from kernels.attention import StepAttentionPlan, paged_attention, write_kv
-from kernels.quant import Weight, concat, dequantize, linear, nbytes, place
+from kernels.quant import Int4Weight, Int8Weight, Weight, concat, dequantize, linear, nbytes, place
 
 
 class LoRAContext(Protocol):
@@ -37,6 +37,9 @@ class AttentionInputs:
     seq_lens: torch.Tensor  # (S,) int32
     slot_mapping: torch.Tensor  # (T,) int64
     plan: StepAttentionPlan | None = None  # the torch path's per-step precomputation (CPU)
+    # (S,) int32 indices of every sequence when all of them decode (engine.decode_graph): the kernels then
+    # need nothing from the host, so the step can be captured as a CUDA graph. None: found per step.
+    decode_seqs: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,7 +76,7 @@ def _fuse(parts: list[Weight]) -> Weight:
     dense = [p for p in parts if isinstance(p, torch.Tensor)]
     if len(dense) == len(parts):
         return torch.cat(dense)
-    quantized = [p for p in parts if not isinstance(p, torch.Tensor)]
+    quantized = [p for p in parts if isinstance(p, Int8Weight | Int4Weight)]
     if len(quantized) != len(parts):
         raise ValueError("a fused projection mixes quantized and dense weights")
     return concat(quantized)
@@ -187,7 +190,7 @@ class LlamaModel:
             write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
             o_in = paged_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
-                cfg.sliding_window, attn.plan,
+                cfg.sliding_window, attn.plan, attn.decode_seqs,
             ).reshape(n_tok, cfg.q_size)  # (T, q)
             o = linear(o_in, layer.o)  # (T, H)
             if lora is not None:

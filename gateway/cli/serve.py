@@ -72,7 +72,8 @@ def worker_command(args: argparse.Namespace, model: Path, served_name: str, port
         "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
         "--max-num-seqs", str(args.max_num_seqs), "--max-loras", str(args.max_loras),
         "--max-lora-rank", str(args.max_lora_rank),
-        "--quantization", args.quantization,
+        "--quantization", args.quantization, "--decode-graphs", args.decode_graphs,
+        *(["--threads", str(args.threads)] if args.threads else []),
         *(["--quantization-group-size", str(args.quantization_group_size)] if args.quantization_group_size else []),
         *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []),
     ])
