@@ -140,7 +140,7 @@ def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads
     argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", str(model), "--served-model-name", "base",
             "--port", str(port), "--data-dir", str(data_dir), "--dtype", "float32", "--kv-cache-memory-gb", "2",
             "--max-num-seqs", str(max_num_seqs), "--max-loras", str(N_ADAPTERS), "--max-lora-rank", str(RANK),
-            "--queue-capacity", "1024"]
+            "--queue-capacity", "1024", "--threads", str(threads)]
     proc = spawn("loraplex", argv, {**os.environ, "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

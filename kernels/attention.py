@@ -103,8 +103,9 @@ def paged_attention_ref(
     if plan is None:
         plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens, block_size, sliding_window)
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
     starts, lens = plan.starts, plan.seq_lens
+    only_decode = len(plan.decode_seqs) == len(lens) == num_tokens  # rows 0..B-1 in order: no gather/scatter
+    out = torch.empty_like(q)
     # (H_kv, num_blocks, block_size, D) views: a gather over blocks then yields head-major tensors
     k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
 
@@ -113,7 +114,7 @@ def paged_attention_ref(
         b, length = plan.decode_masked.shape
         keys = k_heads.index_select(1, plan.decode_blocks).view(num_kv_heads * b, length, head_dim)
         values = v_heads.index_select(1, plan.decode_blocks).view(num_kv_heads * b, length, head_dim)
-        qd = q[plan.decode_rows].view(b, num_kv_heads, group, head_dim).transpose(0, 1)  # (H_kv, B, G, D)
+        qd = (q if only_decode else q[plan.decode_rows]).view(b, num_kv_heads, group, head_dim).transpose(0, 1)
         qd = qd.reshape(num_kv_heads * b, group, head_dim).to(keys.dtype)
         scores = torch.bmm(qd, keys.transpose(1, 2)).float().view(num_kv_heads, b, group, length)
         scores = scores.mul_(scale).masked_fill_(plan.decode_masked[None, :, None, :], float("-inf"))
@@ -121,7 +122,10 @@ def paged_attention_ref(
         if values.dtype != torch.float32:
             probs = probs.to(values.dtype)
         attn = torch.bmm(probs, values).view(num_kv_heads, b, group, head_dim)  # (H_kv, B, G, D)
-        out[plan.decode_rows] = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)
+        attn = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)  # (B, H_q, D)
+        if only_decode:
+            return attn
+        out[plan.decode_rows] = attn
 
     for i in range(len(lens)):
         n = starts[i + 1] - starts[i]
