@@ -57,7 +57,12 @@ def pack(w: torch.Tensor) -> PackedDense:
 
 
 def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias. x: (T, K) in w's dtype -> y: (T, N)."""
+    """y = x @ W.T + bias through oneDNN's inner product over the packed weight.
+
+    Semantics:
+        y[t, n] = sum_k x[t, k] * W[n, k] + bias[n]   (the reference twin is F.linear(x, unpack(w), bias))
+        x: (T, K) in w's dtype, bias: (N,) or None -> y: (T, N) in that dtype.
+    """
     if x.dtype != w.dtype:
         raise ValueError(f"x is {x.dtype} but the packed weight is {w.dtype}")
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
