@@ -51,6 +51,10 @@ class EngineStats:
     faulted_steps: int = 0  # steps whose first run raised (engine.fault_isolation)
     isolated_failures: int = 0  # requests failed alone by a fault attributed to them
     lora_residency: tuple[AdapterResidency, ...] = ()  # every adapter in a device slot or in host memory
+    structured_checked: int = 0  # finished constrained outputs the guard validated
+    structured_guard_failures: int = 0  # ... that failed it (each one a grammar bug; the request got an error)
+    grammar_ignored_formats: tuple[tuple[str, int], ...] = ()  # unknown `format` values kept as annotations
+    grammar_broken_evicted: int = 0  # cached grammars dropped because a matcher found them broken
 
 
 class LLMEngine:
@@ -244,6 +248,10 @@ class LLMEngine:
             lora_residency=tuple(self.lora.residency()),
             faulted_steps=self.isolator.stats.faulted_steps,
             isolated_failures=self.isolator.stats.failed_requests,
+            structured_checked=self.structured.guard_stats.checked,
+            structured_guard_failures=self.structured.guard_stats.failed,
+            grammar_ignored_formats=tuple(sorted(self.structured.compiler.stats.ignored_formats.items())),
+            grammar_broken_evicted=self.structured.compiler.stats.evicted_broken,
         )
 
     # ----- adapters ---------------------------------------------------------------------------------

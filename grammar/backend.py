@@ -37,6 +37,10 @@ class GrammarLimits:
         conjoined with the negation of the others: quadratic).
     max_states: largest automaton (outlines-core: index states; llguidance: lexer states).
     max_grammar_symbols: largest context-free grammar (llguidance only).
+    step_lexer_fuel: lexer work one token's mask may take (llguidance only; a unit is about 100 ns, and
+        the states it builds are kept, so a state costs it once). llguidance's own 200,000 runs out on
+        corpus patterns such as an unanchored `.{1,320}` over a long key, and an exhausted lexer fails
+        the grammar for good (see CompiledGrammar.broken).
     """
 
     max_spec_chars: int = 2_000_000
@@ -46,10 +50,11 @@ class GrammarLimits:
     max_one_of_overlaps: int = 16
     max_states: int = 200_000
     max_grammar_symbols: int = 2_000_000
+    step_lexer_fuel: int = 1_000_000
 
     def __post_init__(self) -> None:
         for name in ("max_spec_chars", "max_schema_nodes", "max_ref_depth", "max_dependencies", "max_one_of_overlaps", "max_states",
-                     "max_grammar_symbols"):
+                     "max_grammar_symbols", "step_lexer_fuel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GrammarLimits.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -101,6 +106,10 @@ class CompiledGrammar(ABC):
     # NOTE: set by GrammarCompiler before the grammar is published (returned or cached), never after.
     guard: OutputGuard | None = None  # validates finished outputs against `spec`
     report: NormalizeReport | None = None  # what normalizing the schema dropped, rewrote or approximated
+    # NOTE: set (once, by a matcher) when the grammar can no longer serve: llguidance's matchers of one
+    # grammar share its lexer, and one that runs out of lexer fuel leaves it failed for every matcher
+    # made after. GrammarCompiler drops a broken grammar from its cache and compiles it again.
+    broken: str | None = None
 
     @abstractmethod
     def matcher(self) -> GrammarMatcher:
@@ -128,6 +137,12 @@ class GrammarBackend(ABC):
     def compile(self, spec: GrammarSpec, schema: dict | None = None) -> CompiledGrammar:
         """Compile `spec`; for a json_schema spec, `schema` is its normalized form (grammar/normalize.py) to
         compile instead of the spec's own text. Raises GrammarError. Thread-safe."""
+
+    def too_large(self, schema: dict) -> bool:
+        """Whether this backend refuses the (normalized) `schema` for its size: grammar/locate.py asks it of
+        subschemas to point a size refusal at the part that is too large. Backends with such a limit
+        override this."""
+        return False
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:

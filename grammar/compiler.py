@@ -21,7 +21,7 @@ from grammar.backend import CompiledGrammar, GrammarBackend, GrammarLimits
 from grammar.formats import rust_regex_error
 from grammar.guard import OutputGuard
 from grammar.llguidance_backend import LLGuidanceBackend
-from grammar.locate import locate
+from grammar.locate import existing_prefix, locate
 from grammar.normalize import NormalizedSchema, normalize_schema
 from grammar.outlines_backend import OutlinesBackend
 from grammar.refs import schema_error
@@ -48,6 +48,7 @@ class CompileStats:
     ignored_formats: Counter[str] = field(default_factory=Counter)
     approximations: Counter[str] = field(default_factory=Counter)
     rewrites: Counter[str] = field(default_factory=Counter)
+    evicted_broken: int = 0  # cached grammars dropped because a matcher found them broken (backend.py)
 
 
 class GrammarCompiler:
@@ -112,7 +113,8 @@ class GrammarCompiler:
         except BackendRefusal as e:
             if spec.kind != "json_schema" or normalized is None:
                 raise
-            pointer, detail = locate(e.detail, normalized.schema, normalized.report.def_pointers)
+            pointer, detail = locate(e.detail, normalized.schema, normalized.report.def_pointers, self.backend.too_large)
+            pointer = existing_prefix(spec.schema(), pointer)
             raise schema_error(pointer, f"refused by the {e.backend} backend: {detail}") from None
         compiled.guard = ToolCallGuard(spec) if spec.kind == "tool_calls" else OutputGuard(spec)
         compiled.report = None if normalized is None else normalized.report
@@ -140,6 +142,10 @@ class GrammarCompiler:
         key = self._key(spec)
         with self._lock:
             cached = self._cache.get(key)
+            if cached is not None and cached.broken is not None:  # its matchers would fail: compile it again
+                del self._cache[key]
+                self.stats.evicted_broken += 1
+                cached = None
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1

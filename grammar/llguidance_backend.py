@@ -72,8 +72,18 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept_token(self, token_id: int) -> bool:
         # validate first: consuming a disallowed token would put the matcher in a permanent error state
         if self._matcher.is_stopped() or self._matcher.validate_tokens([token_id]) != 1:
+            self._check_lexer()
             return False
-        return self._matcher.consume_token(token_id)
+        if not self._matcher.consume_token(token_id):
+            self._check_lexer()
+            return False
+        return True
+
+    def _check_lexer(self) -> None:
+        """A refusal that is llguidance's own failure (its shared lexer out of fuel or states) marks the
+        grammar broken, so that no later request gets its matchers."""
+        if self.grammar.broken is None and self._matcher.is_error() and "lexer error" in self._matcher.get_error():
+            self.grammar.broken = self._matcher.get_error()
 
     def is_accepting(self) -> bool:
         return self._matcher.is_accepting()
@@ -136,6 +146,7 @@ class LLGuidanceBackend(GrammarBackend):
         return llguidance.LLParserLimits(
             max_lexer_states=self.limits.max_states,
             max_grammar_size=self.limits.max_grammar_symbols,
+            step_lexer_fuel=self.limits.step_lexer_fuel,
             verbose_errors=False,
         )
 
@@ -155,8 +166,17 @@ class LLGuidanceBackend(GrammarBackend):
             raise BackendRefusal(spec.kind, self.name, "; ".join(template.get_grammar_warnings()))
         return LLGuidanceGrammar(spec, self, template)
 
+    def too_large(self, schema: dict) -> bool:
+        # llguidance builds at most 50,000 schema nodes (a fixed limit of its JSON compiler, not a parser
+        # limit); the check stops there, so it costs a fraction of a compile.
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(canonical_json(schema), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+        return "schema too large" in llguidance.LLMatcher.validate_grammar(grammar)
+
     def _with_limit(self, error: str) -> str:
         """llguidance's error, naming the GrammarLimits field where it is over one of ours."""
+        if error.startswith("schema too large"):
+            return f"{error}: over the llguidance JSON compiler's fixed limit of 50000 schema nodes built " \
+                   "(allOf of anyOf branches multiply out)"
         if "grammar size" in error:
             return f"{error} (GrammarLimits.max_grammar_symbols = {self.limits.max_grammar_symbols})"
         if "lexer" in error and "states" in error:

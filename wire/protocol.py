@@ -236,6 +236,10 @@ class WorkerState:
     adapter_host_evictions: int = 0  # host-memory adapter entries dropped to stay within capacity
     faulted_steps: int = 0  # engine steps that raised and were re-run without the requests at fault
     isolated_failures: int = 0  # requests failed alone by a fault attributed to them
+    structured_checked: int = 0  # finished constrained outputs validated against their schema
+    structured_guard_failures: int = 0  # ... that failed (a grammar bug: the request got an error)
+    grammar_ignored_formats: dict[str, int] = field(default_factory=dict)  # unknown formats, kept as annotations
+    grammar_broken_evicted: int = 0  # cached grammars dropped because a matcher found them broken
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,7 +17,9 @@ scrape describes the same moment.
                                                 level ("gpu": in a device slot, "cpu": host memory only),
                                                 pinned ("true"/"false") and rank
     loraplex_worker_*                           loraplex's own: weights, KV blocks, prefix cache, adapter
-                                                loads and evictions, preemptions
+                                                loads and evictions, preemptions, fault isolation,
+                                                structured outputs checked and failed by the output guard,
+                                                unknown formats ignored (label format), broken grammars
 
 Adapter names are the worker's names for them, their sha256 (what `/state` lists and the gateway routes
 by): tenants' own names stay in the gateway, so a scrape shows no tenant's adapter names.
@@ -92,6 +94,19 @@ class WorkerMetricsCollector(Collector):
                        "requests at fault.", s.faulted_steps)
         yield _counter("loraplex_worker_isolated_request_failures", "Requests failed alone by a fault attributed "
                        "to them (their batch-mates kept their tokens).", s.isolated_failures)
+        yield _counter("loraplex_worker_structured_outputs_checked", "Finished constrained outputs validated "
+                       "against their schema before they were returned.", s.structured_checked)
+        yield _counter("loraplex_worker_structured_output_guard_failures", "Finished constrained outputs that "
+                       "failed validation (a grammar bug; the request got an error, never the output).",
+                       s.structured_guard_failures)
+        ignored = CounterMetricFamily("loraplex_worker_grammar_ignored_formats", "Schemas compiled with a "
+                                      "`format` the backend does not know, kept as an annotation (per format).",
+                                      labels=["format"])
+        for name, count in sorted(s.grammar_ignored_formats.items()):
+            ignored.add_metric([name], count)
+        yield ignored
+        yield _counter("loraplex_worker_grammar_broken_evicted", "Cached grammars dropped and compiled again "
+                       "because a matcher found them broken.", s.grammar_broken_evicted)
 
 
 def worker_metrics_registry(state: Callable[[], WorkerState]) -> CollectorRegistry:

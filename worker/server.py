@@ -130,6 +130,8 @@ class WorkerService:
             adapter_residency=list(s.lora_residency), num_preemptions=s.num_preemptions,
             adapter_host_loads=s.lora_host_loads, adapter_host_evictions=s.lora_host_evictions,
             faulted_steps=s.faulted_steps, isolated_failures=s.isolated_failures,
+            structured_checked=s.structured_checked, structured_guard_failures=s.structured_guard_failures,
+            grammar_ignored_formats=dict(s.grammar_ignored_formats), grammar_broken_evicted=s.grammar_broken_evicted,
         )
 
     async def unload_adapter(self, sha256: str) -> bool:

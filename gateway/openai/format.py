@@ -3,8 +3,9 @@
 A `Formatter` knows one endpoint's shapes. A streamed answer keeps only counters per sample
 (`StreamCounters`: tokens, characters, finish reason), so each chunk costs the same at any position; a
 non-streamed answer (`Collected`) also keeps each sample's text pieces and logprobs, because its caller
-asks for the whole. Logprobs use the tokenizer to name tokens; -inf becomes -9999.0 as in OpenAI's API
-(JSON has no infinity).
+asks for the whole. Every choice carries `stop_reason` as vLLM's do: the stop string or stop token id that
+ended the sample, null while it runs and when it ended by EOS, its grammar or its length. Logprobs use the
+tokenizer to name tokens; -inf becomes -9999.0 as in OpenAI's API (JSON has no infinity).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SampleCounters:
     num_tokens: int = 0
     num_chars: int = 0  # characters of text sent so far (the completions API's text_offset)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended the sample
     started: bool = False  # the first (role) chunk went out
     last_token_id: int | None = None  # the sample's latest token (a tool request cuts a final special one)
     answered_finish: str | None = None  # the finish_reason the answer gave the client ("tool_calls", ...)
@@ -51,6 +53,8 @@ class StreamCounters:
             counters.num_tokens += len(s.token_ids)
             counters.num_chars += len(s.text)
             counters.finish_reason = s.finish_reason or counters.finish_reason
+            if s.finish_reason is not None:
+                counters.stop_reason = _stop_reason(s)
             if s.token_ids:
                 counters.last_token_id = s.token_ids[-1]
 
@@ -87,6 +91,11 @@ class Collected(StreamCounters):
 
     def text(self, index: int) -> str:
         return "".join(self.pieces[index])
+
+
+def _stop_reason(s: SampleDelta) -> int | str | None:
+    """A streamed choice's stop_reason: only its finishing delta names one (an abort's reason is not a stop)."""
+    return s.stop_reason if s.finish_reason == "stop" else None
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
@@ -187,7 +196,8 @@ class ChatFormatter(Formatter):
         counters.answered_finish = finish or counters.answered_finish
         if not delta and finish is None and not (self.with_logprobs and s.logprobs):
             return None
-        choice = {"index": s.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": s.index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                  "stop_reason": _stop_reason(s)}
         if self.with_logprobs and s.logprobs:
             choice["logprobs"] = {"content": self._content_logprobs(s.logprobs), "refusal": None}
         return choice
@@ -207,7 +217,8 @@ class ChatFormatter(Formatter):
                 message["tool_calls"] = reader.calls
                 finish = "tool_calls" if finish == "stop" else finish
         sample.answered_finish = finish
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": sample.stop_reason}
 
     def _content_logprobs(self, logprobs: list[Logprob]) -> list[dict]:
         def entry(token_id: int, value: float) -> dict:
@@ -245,13 +256,14 @@ class CompletionFormatter(Formatter):
             return None
         offset = counters.num_chars - len(s.text)  # the counters already hold this delta
         logprobs = self._logprobs(s.logprobs or [], offset) if self.with_logprobs else None
-        return {"index": s.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": s.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": _stop_reason(s)}
 
     def _final_choice(self, index: int, collected: Collected) -> dict:
         logprobs = self._logprobs(collected.logprobs[index], 0) if self.with_logprobs else None
         finish = collected.samples[index].answered_finish = openai_finish_reason(collected.samples[index].finish_reason)
         return {"index": index, "text": self._echo(index) + collected.text(index), "logprobs": logprobs,
-                "finish_reason": finish}
+                "finish_reason": finish, "stop_reason": collected.samples[index].stop_reason}
 
     def _logprobs(self, logprobs: list[Logprob], offset: int) -> dict:
         tokens, values, tops, offsets = [], [], [], []

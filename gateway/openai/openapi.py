@@ -105,10 +105,12 @@ def _envelope(object_name: str, choice: dict) -> dict:
 
 
 _FINISH = {"type": ["string", "null"]}
+# vLLM's extra: the stop string or stop token id that ended the choice; null for EOS, grammar or length
+_STOP_REASON = {"type": ["string", "integer", "null"]}
 
 _CHAT_COMPLETION = _envelope("chat.completion", {
     "type": "object", "required": ["index", "message", "finish_reason"],
-    "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH, "message": {
+    "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH, "stop_reason": _STOP_REASON, "message": {
         "type": "object", "required": ["role"],
         "properties": {"role": {"const": "assistant"}, "content": _nullable("string"),
                        "tool_calls": {"type": "array", "items": {"type": "object"}}},
@@ -117,7 +119,8 @@ _CHAT_COMPLETION = _envelope("chat.completion", {
 
 _COMPLETION = _envelope("text_completion", {
     "type": "object", "required": ["index", "text", "finish_reason"],
-    "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH},
+    "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                   "stop_reason": _STOP_REASON},
 })
 
 _MODEL = {

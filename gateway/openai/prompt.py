@@ -150,6 +150,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         "seed": body.seed, "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "top_k": body.top_k, "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
         "logprobs": logprobs, "min_tokens": body.min_tokens, "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     fields.update(structured_output_fields(body.response_format, max_schema_depth))

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.errors import ApiError, invalid_request
 from gateway.http.json_body import load_json_body
+from wire.sampling import MAX_STOP_TOKEN_IDS
 
 MAX_STOP_SEQUENCES = 4
 
@@ -121,6 +122,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
     @property
     def include_usage(self) -> bool:

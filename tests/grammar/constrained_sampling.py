@@ -9,6 +9,7 @@ import decimal
 import json
 import math
 import re
+import sys
 import types
 from collections.abc import Iterator
 
@@ -252,8 +253,25 @@ def accepted_text(compiled: CompiledGrammar, info: TokenizerInfo, instance,
         return piece("" if first else ",", lambda: emit(remaining[0], lambda: elements(remaining[1:], False, then)))
 
     # at the end, the same text in another token split (longest match over the whole text) must pass too
-    found = emit(instance, lambda: matcher.is_accepting() and accepts(compiled, info, "".join(path)))
+    with _recursion_limit(SEARCH_RECURSION_LIMIT):
+        found = emit(instance, lambda: matcher.is_accepting() and accepts(compiled, info, "".join(path)))
     return "".join(path) if found else None
+
+
+# The search recurses once per piece it feeds (continuation passing), a few frames each: a big corpus
+# instance (a Kubernetes list, a long array) is thousands of pieces. Python-to-Python calls do not grow
+# the C stack in CPython 3.11+, so a higher limit only costs heap frames.
+SEARCH_RECURSION_LIMIT = 200_000
+
+
+@contextlib.contextmanager
+def _recursion_limit(limit: int) -> Iterator[None]:
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(previous, limit))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(previous)
 
 
 class _CompatMany:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grammar import GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec
-from tests.grammar.constrained_sampling import greedy_ids
+from tests.grammar.constrained_sampling import greedy_ids, sample_constrained
 
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "schemas.json").read_text())
 SLOW_REGEX = r"(a|b)*a(a|b){10}"  # its DFA has ~2^11 states: ~40 ms to index with outlines-core
@@ -109,3 +109,42 @@ def test_unknown_backend_and_bad_settings(tokenizer_infos):
         GrammarCompiler(tokenizer_infos["byte_bpe"], backend="xgrammar")
     with pytest.raises(ValueError, match="timeout_s > 0"):
         GrammarCompiler(tokenizer_infos["byte_bpe"], timeout_s=0)
+
+
+# Keys of 1 to 320 characters, unanchored: llguidance's lexer builds many expressions for it per token.
+LONG_KEYS = {"type": "object", "additionalProperties": False, "patternProperties": {".{1,320}": {"type": "integer"}}}
+
+
+def test_a_grammar_whose_lexer_fails_is_dropped_from_the_cache(tokenizer_infos):
+    """llguidance's matchers share their grammar's lexer: one that runs out of lexer fuel fails every later
+    matcher of that grammar too. The grammar is marked broken and the next submit compiles it afresh."""
+    info = tokenizer_infos["byte_bpe"]
+    compiler = GrammarCompiler(info, limits=GrammarLimits(step_lexer_fuel=1000))
+    spec = GrammarSpec.json_schema(LONG_KEYS)
+    grammar = compiler.compile(spec)
+    with pytest.raises(AssertionError, match="refused its own allowed token"):
+        sample_constrained(grammar, info, 0, max_tokens=200)
+    assert grammar.broken is not None and "lexer error" in grammar.broken
+    again = compiler.compile(spec)
+    assert again is not grammar and again.broken is None and compiler.stats.evicted_broken == 1
+    compiler.shutdown()
+
+
+def test_the_default_lexer_fuel_serves_a_corpus_schema_whose_keys_ran_it_out(tokenizer_infos):
+    """cloudformation/AWS::SageMaker::TrialComponent (`.{1,320}` keys of nested objects): with llguidance's
+    own step fuel (200,000) seed 0 ran the lexer out mid-key; GrammarLimits' default is enough."""
+    from tests.grammar.test_corpus import CORPUS
+
+    schema = next(e["schema"] for e in CORPUS if e["name"] == "cloudformation/AWS::SageMaker::TrialComponent")
+    info = tokenizer_infos["byte_bpe"]
+    for limits, fails in ((GrammarLimits(step_lexer_fuel=200_000), True), (GrammarLimits(), False)):
+        compiler = GrammarCompiler(info, limits=limits)
+        grammar = compiler.compile(GrammarSpec.json_schema(schema))
+        if fails:
+            with pytest.raises(AssertionError, match="refused its own allowed token"):
+                sample_constrained(grammar, info, 0, max_tokens=120)
+        else:
+            for seed in range(5):
+                sample_constrained(grammar, info, seed, max_tokens=120)
+            assert grammar.broken is None
+        compiler.shutdown()

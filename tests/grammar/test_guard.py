@@ -59,6 +59,21 @@ def test_sampled_regex_outputs_pass_the_guard(kind, compilers, tokenizer_infos, 
     ({"definitions": {"t": {"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}},
       "type": "object", "properties": {"x": {"$ref": "#/definitions/t"}}},
      "#/definitions/t", "min/maxProperties only supported"),
+    # a pattern llguidance cannot intersect with the length bounds: its message spells \\w (also inside a
+    # class) as [0-9a-zA-Z_] (corpus: cloudformation/AWS::WorkSpacesWeb::Portal)
+    ({"type": "object", "properties": {"name": {"type": "string"}, "arn": {
+        "type": "string", "minLength": 20, "maxLength": 2048,
+        "pattern": "^arn:[\\w+=\\/,.@-]+:[a-zA-Z0-9\\-]+:[a-zA-Z0-9\\-]*:[a-zA-Z0-9]{1,12}:[a-zA-Z]+(\\/[a-fA-F0-9\\-]{36})+$"}}},
+     "#/properties/arn/pattern", "Unable to determine if regex is empty"),
+    # over llguidance's fixed budget of schema nodes: 12 if/then in one allOf multiply out to 2**12
+    # branches; the pointer names the definition where that happens, not the root or the array
+    # (corpus: schemastore/github-issue-forms, schemastore/azure-pipelines)
+    ({"definitions": {"item": {"type": "object", "allOf": [
+        {"if": {"properties": {"kind": {"const": f"k{i}"}}}, "then": {"properties": {f"p{i}": {"type": "string"}}}}
+        for i in range(12)]}},
+      "type": "object", "properties": {"name": {"type": "string"},
+                                       "items": {"type": "array", "items": {"$ref": "#/definitions/item"}}}},
+     "#/definitions/item", "schema too large: over the llguidance JSON compiler's fixed limit of 50000"),
 ])
 def test_llguidance_refusals_name_a_pointer(compilers, schema, pointer, detail):
     with pytest.raises(GrammarError) as refused:

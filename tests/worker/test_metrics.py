@@ -46,6 +46,9 @@ FAMILIES = {  # name -> (type, label names)
     "loraplex_worker_adapter_slot_loads": ("counter", set()),
     "loraplex_worker_faulted_steps": ("counter", set()),
     "loraplex_worker_isolated_request_failures": ("counter", set()),
+    "loraplex_worker_structured_outputs_checked": ("counter", set()),
+    "loraplex_worker_structured_output_guard_failures": ("counter", set()),
+    "loraplex_worker_grammar_broken_evicted": ("counter", set()),
 }
 
 
@@ -221,3 +224,52 @@ def test_gauges_and_residency_follow_a_live_run(worker):
 
     asyncio.run(run())
     assert llm.integrity_failures == 0  # every idle spell proved slots, pins and blocks accounted for
+
+
+STRICT = {"type": "object", "properties": {"must": {"type": "integer"}}, "required": ["must"],
+          "additionalProperties": False}
+
+
+def test_structured_output_counters_follow_the_guard(worker, monkeypatch):
+    """Unknown formats are counted per format; every finished constrained output is checked; a planted
+    grammar bug (every schema compiled to "any object", the guard keeping the real one) shows up as guard
+    failures, and each of those requests ended in an error, never in its output."""
+    import grammar.compiler
+    from grammar import NormalizedSchema, NormalizeReport
+    from wire.protocol import RequestError
+
+    server, llm, _, _ = worker
+    client = HttpEngineClient(server.url, SECRET)
+
+    async def finish(rid: str, schema: dict, seed: int) -> str:
+        params = SamplingParams(max_tokens=40, temperature=1.0, seed=seed, json_schema=schema)
+        try:
+            async for delta in client.generate(GenerateRequest(rid, [5, 6, 7], params)):
+                if delta.samples and delta.samples[0].finish_reason:
+                    return delta.samples[0].finish_reason
+        except RequestError:
+            return "error"
+        return "none"
+
+    async def run() -> None:
+        before = await asyncio.to_thread(scrape, server.url)
+        reasons = [await finish(f"fmt{i}", {"type": "string", "format": "int64", "maxLength": 3}, i)
+                   for i in range(3)]
+        assert "stop" in reasons
+        after = await until(server.url, lambda f: value(f, "loraplex_worker_structured_outputs_checked")
+                            >= value(before, "loraplex_worker_structured_outputs_checked") + reasons.count("stop"))
+        formats = {s.labels["format"]: s.value for s in after["loraplex_worker_grammar_ignored_formats"].samples}
+        assert formats.get("int64", 0) >= 1
+
+        monkeypatch.setattr(grammar.compiler, "normalize_schema",
+                            lambda schema, *a, **k: NormalizedSchema({"type": "object"}, NormalizeReport()))
+        loose = [await finish(f"loose{s}", {**STRICT, "title": f"t{s}"}, s) for s in range(12)]
+        assert "error" in loose  # the guard caught outputs the loose grammar let through
+        failed = value(before, "loraplex_worker_structured_output_guard_failures") + loose.count("error")
+        families = await until(server.url, lambda f: value(f, "loraplex_worker_structured_output_guard_failures")
+                               == failed)
+        assert value(families, "loraplex_worker_structured_output_guard_failures") == \
+            llm.engine.structured.guard_stats.failed
+        await client.close()
+
+    asyncio.run(run())
