@@ -139,7 +139,10 @@ class DecodeGraphs:
         """Copy the step's inputs into the bucket's tensors; rows past the plan become pad rows."""
         pad = bucket.size - len(plan.seqs)
         scratch_slot = self.scratch_block * self.block_size
-        table = torch.full((bucket.size, self.max_blocks), self.scratch_block, dtype=torch.int32)
+        # Only the columns this step's longest table needs: columns past a row's length are never read (its
+        # seq_len masks them), so what an earlier step left there is harmless.
+        width = max(len(s.block_table) for s in plan.seqs)
+        table = torch.full((bucket.size, width), self.scratch_block, dtype=torch.int32)
         for row, seq in enumerate(plan.seqs):
             table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         host = {
@@ -150,7 +153,7 @@ class DecodeGraphs:
         }
         for name, values in host.items():
             getattr(bucket, name).copy_(values, non_blocking=True)
-        bucket.block_tables.copy_(table, non_blocking=True)
+        bucket.block_tables[:, :width].copy_(table, non_blocking=True)
 
     def _capture(self, bucket: _Bucket) -> None:
         """Record the bucket's forward into a CUDA graph (after one warm-up run on a side stream)."""
