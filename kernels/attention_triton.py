@@ -353,12 +353,13 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     query_lens: list[int] = []
-    if decode_seqs is not None:
-        decode_list, prefill_seqs = list(range(decode_seqs.shape[0])), []
-    else:
+    prefill_seqs: list[int] = []
+    if decode_seqs is None:
         query_lens = torch.diff(query_start_loc).tolist()
         decode_list = [s for s, n in enumerate(query_lens) if n == 1]
         prefill_seqs = [s for s, n in enumerate(query_lens) if n > 1]
+        if decode_list:
+            decode_seqs = torch.tensor(decode_list, dtype=torch.int32, device=q.device)
     dot_fp32 = _dot_fp32(q.dtype)
     common = dict(
         scale=scale, sliding_window=sliding_window or 0,
@@ -369,12 +370,10 @@ def paged_attention(
         stride_table_seq=block_tables.stride(0), block_size=block_size,
         GROUP=group, HEAD_DIM=head_dim, USE_WINDOW=sliding_window is not None, DOT_FP32=dot_fp32,
     )
-    if decode_list:
-        seqs = decode_seqs if decode_seqs is not None else torch.tensor(decode_list, dtype=torch.int32,
-                                                                        device=q.device)
+    if decode_seqs is not None and decode_seqs.shape[0]:
         config = decode_config(group, head_dim)
-        _decode_kernel[(len(decode_list), num_kv_heads)](
-            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, seqs,
+        _decode_kernel[(decode_seqs.shape[0], num_kv_heads)](
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, decode_seqs,
             USE_DOT=config["BLOCK_G"] >= 16, **config.launch_kwargs(), **common,
         )
     if prefill_seqs:

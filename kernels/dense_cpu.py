@@ -4,10 +4,11 @@ torch's `F.linear` on the CPU hands an (N, K) weight to MKL/oneDNN as a transpos
 for the few-row products of decode (M = 1 .. 32) that path streams the weight at a fraction of what the
 memory allows. oneDNN's inner-product primitive over a weight reordered once, at load, into its blocked
 layout (what Inductor's CPU freezing pass does, and vLLM's CPU build with its oneDNN GEMMs) runs the same
-product faster at every M (measured in bench/cpu_vs_llamacpp.py; on this project's 2-core AVX-512 dev
-machine, one thread, the bench model's 120 projections: bf16 M=1 18 ms vs 35 ms, M=32 44 vs 64; fp32
-M=8 39 vs 67, M=512 1.11 s vs 1.48 s). bf16 results equal F.linear's bit for bit; fp32 ones differ by
-the summation order (~1e-4 relative).
+product faster at most M (a one-off timing of the bench model's 120 projections, one thread, on the
+2-core AVX-512 development machine: bf16 M=1 18 ms vs 35 ms, M=32 44 vs 64; fp32 M=1 40 vs 44, M=8 39
+vs 67, M=512 1.11 s vs 1.48 s; the engine-level effect is in bench/cpu_vs_llamacpp.py and
+docs/benchmarks.md). bf16 results equal F.linear's bit for bit; fp32 ones differ by the summation order
+(~1e-4 relative).
 
 The packed tensor is opaque (an mkldnn tensor): `unpack` gives the (N, K) matrix back for whoever needs
 the values (the dequantized state dict, tests).

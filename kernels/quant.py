@@ -29,9 +29,8 @@ from kernels.quant_weights import (
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel and the Triton kernel's K tiles support
 Weight = torch.Tensor | QuantizedWeight | PackedDense  # what a model's projection holds
 __all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "PackedDense", "QuantizedWeight", "Weight", "concat",
-           "dequantize",
-           "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place", "quantize_int4",
-           "quantize_int8"]
+           "dequantize", "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place",
+           "quantize_int4", "quantize_int8"]
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
