@@ -16,8 +16,11 @@ keys at positions max(0, p - sliding_window + 1) .. p (causal; the window only w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from kernels import native_cpu
 
 
 def write_kv(
@@ -47,6 +50,7 @@ class StepAttentionPlan:
     seq_lens: list[int]
     decode_seqs: list[int]  # indices of the sequences with exactly one query token
     decode_rows: torch.Tensor | None  # (B,) rows of q for those sequences
+    decode_ids: torch.Tensor | None  # (B,) int64 the sequences' indices (the native kernel's seq_ids)
     decode_blocks: torch.Tensor | None  # (B * nb,) their block ids, flattened, padded to the longest
     decode_masked: torch.Tensor | None  # (B, nb * block_size) True where a key is not visible
 
@@ -56,7 +60,7 @@ class StepAttentionPlan:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
         if not decode:
-            return cls(starts, lens, decode, None, None, None)
+            return cls(starts, lens, decode, None, None, None, None)
         device = block_tables.device
         n_blocks = (max(lens[i] for i in decode) + block_size - 1) // block_size
         length = n_blocks * block_size
@@ -68,6 +72,7 @@ class StepAttentionPlan:
         return cls(
             starts, lens, decode,
             decode_rows=torch.tensor([starts[i] for i in decode], device=device),
+            decode_ids=torch.tensor(decode, dtype=torch.int64, device=device),
             decode_blocks=block_tables[decode, :n_blocks].reshape(-1),
             decode_masked=masked,
         )
@@ -103,12 +108,10 @@ def paged_attention_ref(
     if plan is None:
         plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens, block_size, sliding_window)
     group = num_heads // num_kv_heads
-    starts, lens = plan.starts, plan.seq_lens
-    only_decode = len(plan.decode_seqs) == len(lens) == num_tokens  # rows 0..B-1 in order: no gather/scatter
-    out = torch.empty_like(q)
+    only_decode = len(plan.decode_seqs) == len(plan.seq_lens) == num_tokens  # rows 0..B-1 in order
     # (H_kv, num_blocks, block_size, D) views: a gather over blocks then yields head-major tensors
     k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-
+    attn = None
     if plan.decode_seqs:
         assert plan.decode_rows is not None and plan.decode_blocks is not None and plan.decode_masked is not None
         b, length = plan.decode_masked.shape
@@ -125,8 +128,20 @@ def paged_attention_ref(
         attn = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)  # (B, H_q, D)
         if only_decode:
             return attn
-        out[plan.decode_rows] = attn
+    return _with_prefill_rows(q, attn, k_cache, v_cache, block_tables, scale, sliding_window, plan)
 
+
+def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None,
+                       plan: StepAttentionPlan) -> torch.Tensor:
+    """The step's output: `decode_out` (the decode rows, computed by either path) placed at their rows,
+    and every prefill chunk (more than one query token) computed one sequence at a time."""
+    out = torch.empty_like(q)
+    if decode_out is not None:
+        out[plan.decode_rows] = decode_out
+    block_size = k_cache.shape[1]
+    k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+    starts, lens = plan.starts, plan.seq_lens
     for i in range(len(lens)):
         n = starts[i + 1] - starts[i]
         if n <= 1:
@@ -139,6 +154,28 @@ def paged_attention_ref(
         out[starts[i] : starts[i + 1]] = _prefill_chunk(q[starts[i] : starts[i + 1]].float(), keys, values, scale,
                                                         sliding_window).to(q.dtype)
     return out
+
+
+def paged_attention_native(
+    ops: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    plan: StepAttentionPlan | None = None,
+) -> torch.Tensor:
+    """The CPU path with the native decode kernel (kernels/native_cpu.py): decode rows read the paged
+    cache in place, in fp32 throughout; prefill chunks as in the reference. Same semantics as the
+    reference (its decode rows round their probabilities to the cache dtype first, this one does not)."""
+    if plan is None:
+        plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window)
+    decode_out = None
+    if plan.decode_seqs:
+        only_decode = len(plan.decode_seqs) == len(plan.seq_lens) == q.shape[0]
+        lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+        tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+        decode_out = ops.decode_attention(q if only_decode else q[plan.decode_rows], k_cache, v_cache, tables,
+                                          plan.decode_ids, lens.contiguous(), scale, sliding_window or 0)
+        if only_decode:
+            return decode_out
+    return _with_prefill_rows(q, decode_out, k_cache, v_cache, block_tables, scale, sliding_window, plan)
 
 
 PREFILL_QUERY_BLOCK = 128  # query rows per block of a prefill chunk's attention
@@ -190,7 +227,8 @@ def paged_attention(
     plan: StepAttentionPlan | None = None,
     decode_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch: Triton kernels on CUDA, the torch reference elsewhere. Same semantics as the reference.
+    """Dispatch: Triton kernels on CUDA; on the CPU the native decode kernel where it is built
+    (kernels/native_cpu.py), the torch reference elsewhere. Same semantics as the reference.
 
     `plan` is the torch path's per-step precomputation (see StepAttentionPlan); Triton ignores it.
     `decode_seqs`: every sequence's index when all of them have one query token (Triton then reads no
@@ -202,5 +240,9 @@ def paged_attention(
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, decode_seqs
         )
+    ops = native_cpu.available_for(q)
+    if ops is not None and k_cache.dtype in (torch.float32, torch.bfloat16):
+        return paged_attention_native(ops, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                      sliding_window, plan)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
                                plan)

@@ -1,49 +1,81 @@
-"""Dense projection weights prepacked for oneDNN on the CPU.
+"""Dense projection weights prepacked once at load for the CPU's fast kernels.
 
 torch's `F.linear` on the CPU hands an (N, K) weight to MKL/oneDNN as a transposed operand every call, and
 for the few-row products of decode (M = 1 .. 32) that path streams the weight at a fraction of what the
-memory allows. oneDNN's inner-product primitive over a weight reordered once, at load, into its blocked
-layout (what Inductor's CPU freezing pass does, and vLLM's CPU build with its oneDNN GEMMs) runs the same
-product faster at most M (a one-off timing of the bench model's 120 projections, one thread, on the
-2-core AVX-512 development machine: bf16 M=1 18 ms vs 35 ms, M=32 44 vs 64; fp32 M=1 40 vs 44, M=8 39
-vs 67, M=512 1.11 s vs 1.48 s; the engine-level effect is in bench/cpu_vs_llamacpp.py and
-docs/benchmarks.md). bf16 results equal F.linear's bit for bit; fp32 ones differ by the summation order
-(~1e-4 relative).
+memory allows. Two packed layouts replace it:
 
-The packed tensor is opaque (an mkldnn tensor): `unpack` gives the (N, K) matrix back for whoever needs
-the values (the dequantized state dict, tests).
+- **Panels, where the native ops are built** (kernels/native_cpu.py; AVX-512, and AVX512-BF16 for
+  bfloat16): loraplex's own layout of 16 output columns per panel, K pairs per 64-byte load for bf16 (the
+  operand layout of VDPBF16PS) and single k for fp32, run by `bf16_linear` / `f32_linear`. On the bench
+  model's 120 distinct projections (streamed from memory, not cache), 2 threads, the 2-core AVX-512 +
+  bf16 development machine, one-off timings against oneDNN's packed layout: bf16 M=1 9.0 ms vs 16.6,
+  M=8 8.5 vs 12.9, M=32 23 vs 25-27, M=64 37 vs 44-46, M=512 276-281 vs 272-284 (even); fp32 M=1 15.2
+  vs 25.3, M=8 19.4 vs 24.2, M=32 44.9 vs 50.6, M=128 141 vs 171, M=512 557 vs 579. Results differ from
+  F.linear's by the summation order (fp32 accumulation: ~1e-6 relative in fp32, a last-bit rounding
+  difference now and then in bf16). A tied embedding table packed this way still has row access (`rows`).
+- **Elsewhere, float32, and bfloat16 where oneDNN has native bf16**: oneDNN's inner-product primitive
+  over a weight reordered into its blocked layout (what Inductor's CPU freezing pass does): one thread,
+  fp32 M=8 39 ms vs F.linear's 67, M=512 1.11 s vs 1.48 s; bf16 results equal F.linear's bit for bit.
+
+Either packed tensor is opaque to other code: `unpack` gives the (N, K) matrix back for whoever needs the
+values (the dequantized state dict, tests).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
+from kernels import native_cpu
+
 PREPACK_ENV = "LORAPLEX_CPU_PREPACK"  # "0" keeps plain F.linear (for A/B measurements)
+PANEL = 16  # output columns per panel of the bf16 layout
 
 
 @dataclass(frozen=True)
 class PackedDense:
-    """An (N, K) dense weight in oneDNN's blocked layout. CPU only."""
+    """An (N, K) dense weight in one of the packed layouts. CPU only."""
 
-    packed: torch.Tensor  # opaque mkldnn tensor (torch.ops.mkldnn._reorder_linear_weight)
+    packed: torch.Tensor  # "onednn": opaque mkldnn tensor; "panels": bf16 (P, K / 2, 16, 2), fp32 (P, K, 16)
     shape: tuple[int, int]
     dtype: torch.dtype
+    layout: Literal["onednn", "panels"] = "onednn"
 
     @property
     def nbytes(self) -> int:
+        """Resident bytes: the matrix's (the panels' zero padding to 16 columns included)."""
+        if self.layout == "panels":
+            return self.packed.numel() * self.packed.element_size()
         return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
 
 
 def can_pack(w: torch.Tensor) -> bool:
-    """Whether `w` should be packed: a 2-D CPU weight in a dtype oneDNN runs natively here.
-
-    bf16 only where oneDNN has native bf16 (avx512_bf16 / AMX); elsewhere its bf16 path is emulated.
-    """
+    """Whether `w` should be packed: a 2-D CPU weight in a dtype one of the packed kernels runs natively."""
     if os.environ.get(PREPACK_ENV, "1") == "0" or w.device.type != "cpu" or w.dim() != 2:
         return False
+    return _panel_kernel(w) is not None or _onednn_can_pack(w)
+
+
+def _panel_kernel(w: torch.Tensor) -> Any | None:  # the native ops if `w` goes to panels, else None
+    if w.dtype not in (torch.float32, torch.bfloat16) or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
+        return None
+    ops = native_cpu.available_for(w)
+    if ops is None:
+        return None
+    return ops if (ops.has_bf16_linear() if w.dtype == torch.bfloat16 else ops.has_f32_linear()) else None
+
+
+def has_row_access(w: torch.Tensor) -> bool:
+    """Whether `w` would be packed into a layout `rows` reads directly (panels): a tied embedding
+    table can then be packed for its lm_head and stay one copy."""
+    return can_pack(w) and _panel_kernel(w) is not None
+
+
+def _onednn_can_pack(w: torch.Tensor) -> bool:
+    """oneDNN runs fp32 natively, and bf16 only where it has native bf16 (avx512_bf16 / AMX)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     if w.dtype == torch.float32:
@@ -52,13 +84,59 @@ def can_pack(w: torch.Tensor) -> bool:
 
 
 def pack(w: torch.Tensor) -> PackedDense:
-    """Reorder (N, K) `w` once into oneDNN's layout (no batch-size hint: one layout serves every M)."""
+    """Pack (N, K) `w` once: panels where the native kernel runs (can_pack), else oneDNN's layout (no
+    batch-size hint: one layout serves every M)."""
     w = w.contiguous()
-    return PackedDense(torch.ops.mkldnn._reorder_linear_weight(w, None), (w.shape[0], w.shape[1]), w.dtype)
+    n, k = w.shape
+    if _panel_kernel(w) is not None:
+        return PackedDense(panel(w), (n, k), w.dtype, "panels")
+    return PackedDense(torch.ops.mkldnn._reorder_linear_weight(w, None), (n, k), w.dtype)
+
+
+def panel(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> panels of 16 rows, zero-padded past N: 2-byte and 1-byte types (bf16, int8) as (P, K / 2,
+    16, 2), 16 columns x 2 consecutive k per load; fp32 as (P, K, 16)."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=w.dtype, device=w.device)
+    padded[:n] = w
+    if w.dtype == torch.float32:
+        return padded.view(-1, PANEL, k).permute(0, 2, 1).contiguous()
+    return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpanel(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The (N, K) matrix of `panel`'s output."""
+    if panels.dim() == 3:  # fp32
+        return panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:n].contiguous()
+    return panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * 2)[:n].contiguous()
+
+
+def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether an int8 (N, K) weight goes to int8 panels: on the CPU, with bf16 scales (activations), an
+    even K, and the native bf16 kernel built."""
+    if os.environ.get(PREPACK_ENV, "1") == "0" or q.device.type != "cpu" or scales.dtype != torch.bfloat16:
+        return False
+    return _panel_kernel(torch.empty(0, q.shape[1], dtype=torch.bfloat16)) is not None
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (x @ q.T) * scales + bias over int8 panels (bf16 x): q widened to bf16 exactly, fp32 sums.
+
+    Semantics: the reference is F.linear(x.float(), unpanel(qweight) * scales[:, None], bias), rounded to bf16.
+    """
+    ops = native_cpu.ops()
+    assert ops is not None, "int8 panels are only made where the native ops run"
+    lead, k = x.shape[:-1], qweight.shape[1] * 2
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    return ops.int8_linear(x2, qweight, scales, b).view(*lead, scales.shape[0])
 
 
 def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias through oneDNN's inner product over the packed weight.
+    """y = x @ W.T + bias through the packed weight's kernel.
 
     Semantics:
         y[t, n] = sum_k x[t, k] * W[n, k] + bias[n]   (the reference twin is F.linear(x, unpack(w), bias))
@@ -66,9 +144,33 @@ def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) ->
     """
     if x.dtype != w.dtype:
         raise ValueError(f"x is {x.dtype} but the packed weight is {w.dtype}")
+    if w.layout == "panels":
+        ops = native_cpu.ops()
+        assert ops is not None, "panels are only made where the native ops run"
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, w.shape[1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        kernel = ops.bf16_linear if w.dtype == torch.bfloat16 else ops.f32_linear
+        return kernel(x2, w.packed, w.shape[0], b).view(*lead, w.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+
+
+def rows(w: PackedDense, ids: torch.Tensor) -> torch.Tensor:
+    """W[ids]: (T,) row ids -> (T, K), an embedding lookup in a table packed for its tied lm_head.
+
+    Semantics: F.embedding(ids, unpack(w)). Panels gather each row's K values from its panel column; a
+    oneDNN-packed table has no row access, so it is unpacked (not made for a tied table)."""
+    if w.layout == "panels":
+        if w.dtype == torch.bfloat16:
+            return w.packed[ids // PANEL, :, ids % PANEL, :].reshape(ids.shape[0], w.shape[1])
+        return w.packed[ids // PANEL, :, ids % PANEL]
+    return unpack(w)[ids]
 
 
 def unpack(w: PackedDense) -> torch.Tensor:
     """The (N, K) matrix, as a plain tensor."""
+    if w.layout == "panels":
+        return unpanel(w.packed, w.shape[0])
     return w.packed.to_dense()

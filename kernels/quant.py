@@ -69,8 +69,13 @@ def dequantize(w: QuantizedWeight | PackedDense, dtype: torch.dtype = torch.floa
     if isinstance(w, PackedDense):
         return dense_cpu.unpack(w).to(dtype)
     if isinstance(w, Int8Weight):
-        return w.qweight.to(dtype) * w.scales.to(dtype)[:, None]
+        return int8_rows(w).to(dtype) * w.scales.to(dtype)[:, None]
     return dequantize_int4(int4_values(w), w.scale_zeros, w.group_size, dtype)
+
+
+def int8_rows(w: Int8Weight) -> torch.Tensor:
+    """(N, K) int8: the values q[n, k] of w, whatever its layout."""
+    return dense_cpu.unpanel(w.qweight, w.shape[0]) if w.layout == "panels" else w.qweight
 
 
 def int4_values(w: Int4Weight) -> torch.Tensor:
@@ -118,7 +123,7 @@ def int4_from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack quantized weights along N (the fused q|k|v and gate|up projections). Host layouts only."""
-    int8 = [w for w in weights if isinstance(w, Int8Weight)]
+    int8 = [w for w in weights if isinstance(w, Int8Weight) and w.layout == "rows"]
     if len(int8) == len(weights):
         return Int8Weight(torch.cat([w.qweight for w in int8]), torch.cat([w.scales for w in int8]))
     int4 = [w for w in weights if isinstance(w, Int4Weight) and w.layout == "nibbles"]
@@ -129,8 +134,8 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def place(w: Weight, device: torch.device | str) -> Weight:
-    """w on `device` in the layout its kernels read: a dense CPU weight is prepacked for oneDNN where that
-    runs natively (kernels.dense_cpu); int4 goes to torch's CPU layout where that kernel exists and N is a
+    """w on `device` in the layout its kernels read: a dense CPU weight is prepacked (kernels.dense_cpu: the
+    native panels, or oneDNN's layout); int8 goes to int8 panels where the native bf16 kernel runs; int4 goes to torch's CPU layout where that kernel exists and N is a
     multiple of 16 (else it stays in nibbles and is dequantized per call)."""
     device = torch.device(device)
     if isinstance(w, PackedDense):
@@ -139,7 +144,10 @@ def place(w: Weight, device: torch.device | str) -> Weight:
         w = w.to(device)
         return dense_cpu.pack(w) if dense_cpu.can_pack(w) else w
     if isinstance(w, Int8Weight):
-        return Int8Weight(w.qweight.to(device), w.scales.to(device))
+        q = int8_rows(w).to(device)
+        if dense_cpu.can_pack_int8(q, w.scales):
+            return Int8Weight(dense_cpu.panel(q), w.scales.contiguous(), "panels")
+        return Int8Weight(q, w.scales.to(device))
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4(w.shape[0]):
         return Int4Weight(quant_cpu.pack_int4(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
                           "cpu_int4pack")

@@ -26,6 +26,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels import dense_cpu
 from kernels.quant_weights import Int4Weight, Int8Weight, QuantizedWeight, nibble_values
 
 _aten = torch.ops.aten
@@ -42,6 +43,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     tokens = x.shape[0]
     bf16 = x.dtype == torch.bfloat16
     if isinstance(w, Int8Weight):
+        if w.layout == "panels":  # made only for bf16 activations (kernels.quant.place)
+            return dense_cpu.int8_linear(x, w.qweight, w.scales, bias)
         if bf16 and HAS_INT8_MM and tokens <= INT8_PACKED_MAX_TOKENS:
             return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)
         return F.linear(x, w.qweight.to(x.dtype) * w.scales[:, None], bias)

@@ -22,13 +22,21 @@ Int4Layout = Literal["nibbles", "cpu_int4pack"]
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """int8 per output channel (symmetric). Same layout on every device."""
+    """int8 per output channel (symmetric). `layout` says how qweight holds q[n, k]:
 
-    qweight: torch.Tensor  # (N, K) int8
+    "rows":   (N, K) int8. Host form, and CUDA's.
+    "panels": (ceil(N / 16), K / 2, 16, 2) int8, element [p, k2, j, t] = q[16 p + j, 2 k2 + t] (zero past N):
+              the CPU's native kernel (kernels.dense_cpu's bf16 panel order, one byte per weight).
+    """
+
+    qweight: torch.Tensor
     scales: torch.Tensor  # (N,) activation dtype
+    layout: Literal["rows", "panels"] = "rows"
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.layout == "panels":
+            return (self.scales.shape[0], self.qweight.shape[1] * 2)
         return (self.qweight.shape[0], self.qweight.shape[1])
 
     @property

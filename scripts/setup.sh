@@ -12,6 +12,9 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+# the native CPU ops (kernels/native_cpu.py) compile with g++ through ninja
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v ninja >/dev/null 2>&1 || need_apt+=(ninja-build)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
@@ -28,4 +31,6 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
-echo "setup: ok (.venv ready, redis-server and chromium installed)"
+# Build the native CPU ops now (~10 s, once per machine and source) rather than in the first request.
+.venv/bin/python -m kernels.native_cpu || echo "setup: the native CPU ops did not build; the CPU runs the torch path" >&2
+echo "setup: ok (.venv ready, redis-server, chromium, g++ and ninja installed)"

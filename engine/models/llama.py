@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
+from kernels import dense_cpu
 from kernels.attention import StepAttentionPlan, paged_attention, write_kv
+from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, silu_mul
 from kernels.quant import Int4Weight, Int8Weight, Weight, concat, dequantize, linear, nbytes, place
 
 
@@ -42,10 +44,7 @@ class AttentionInputs:
     decode_seqs: torch.Tensor | None = None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+rms_norm = rms_norm_ref  # HF's LlamaRMSNorm: the per-head q/k norms of Qwen3
 
 
 @dataclass
@@ -91,8 +90,11 @@ class LlamaModel:
         then placed on `device` in the layout its kernels read."""
         self.cfg = cfg
         w = weights
-        self.embed = _dense(w["model.embed_tokens.weight"], device)  # (V, H)
+        self.embed: torch.Tensor | dense_cpu.PackedDense = _dense(w["model.embed_tokens.weight"], device)  # (V, H)
         self.lm_head: Weight = self.embed if cfg.tie_word_embeddings else place(w["lm_head.weight"], device)
+        if cfg.tie_word_embeddings and isinstance(self.embed, torch.Tensor) and dense_cpu.has_row_access(self.embed):
+            # one copy serves both: bf16 panels for the lm_head's matmul, and rows for the embedding lookup
+            self.embed = self.lm_head = dense_cpu.pack(self.embed)
         self.norm = _dense(w["model.norm.weight"], device)
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
@@ -171,9 +173,10 @@ class LlamaModel:
         cfg = self.cfg
         n_tok = input_ids.shape[0]
         cos, sin = self.rotary.tables(positions)  # (T, 1, D) each, shared by every layer
-        x = F.embedding(input_ids, self.embed)  # (T, H)
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        eps, layers = cfg.rms_norm_eps, self.layers
+        # x: the residual stream (T, H), owned here (add_rms_norm may update it in place); h: a norm of it
+        x, h = add_rms_norm(self._embed(input_ids), None, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
             qkv = linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
@@ -183,11 +186,11 @@ class LlamaModel:
                 q = rms_norm(q.reshape(n_tok, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-            else:  # rotate q and k in one go: they are adjacent in the fused projection
-                qk = qkv[:, : cfg.q_size + cfg.kv_size].reshape(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-                q, k = self.rotary.apply(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+                write_kv(k, v, *kv_caches[i], attn.slot_mapping)
+            else:  # rotate q and k in one go (adjacent in the fused projection), and store k and v
+                qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+                q = rope_store_kv(qk, v, cos, sin, cfg.num_heads, *kv_caches[i], attn.slot_mapping)
             k_cache, v_cache = kv_caches[i]
-            write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
             o_in = paged_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
                 cfg.sliding_window, attn.plan, attn.decode_seqs,
@@ -195,18 +198,21 @@ class LlamaModel:
             o = linear(o_in, layer.o)  # (T, H)
             if lora is not None:
                 lora.add(i, "o", o_in, o)
-            x = x + o
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x, h = add_rms_norm(x, o, layer.post_norm, eps)
             gate_up = linear(h, layer.gate_up)  # (T, 2I)
             if lora is not None:
                 lora.add(i, "gate_up", h, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up  # (T, I)
+            act = silu_mul(gate_up)  # (T, I)
             down = linear(act, layer.down)  # (T, H)
             if lora is not None:
                 lora.add(i, "down", act, down)
-            x = x + down
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+            x, h = add_rms_norm(x, down, layers[i + 1].input_norm if i + 1 < len(layers) else self.norm, eps)
+        return h
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, dense_cpu.PackedDense):
+            return dense_cpu.rows(self.embed, input_ids)
+        return F.embedding(input_ids, self.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) -> (N, V) float32 logits."""

@@ -7,6 +7,7 @@ import math
 import torch
 
 from engine.config import RopeConfig
+from kernels.fused import rotate_half_ref
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -45,7 +46,4 @@ class RotaryEmbedding:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, D) -> rotated x (same dtype), computed in fp32."""
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        return rotate_half_ref(x, cos, sin)

@@ -126,3 +126,21 @@ def test_bad_prompts_are_refused(llama_dir):
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []})
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_torch_twins_give_the_native_cpu_paths_tokens(llama_dir, monkeypatch):
+    """The model with every native CPU op (kernels/native_cpu.py) and with their torch twins, the path a
+    GPU or a machine without a compiler runs: the same greedy tokens on a mixed prefill/decode batch."""
+    from kernels import native_cpu
+
+    prompts = random_prompts(600, [3, 70, 1, 33, 140, 9], seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    native = LLM(llama_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+    if native_cpu.ops() is not None:
+        assert all(layer.qkv.layout == "panels" for layer in native.engine.runner.model.layers)
+    want = [o.outputs[0].token_ids for o in native.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    monkeypatch.setattr(native_cpu, "available_for", lambda t: None)
+    twins = LLM(llama_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+    assert not any(getattr(layer.qkv, "layout", None) == "panels" for layer in twins.engine.runner.model.layers)
+    got = [o.outputs[0].token_ids for o in twins.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == want

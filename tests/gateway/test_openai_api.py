@@ -87,9 +87,10 @@ def test_streamed_completion_with_token_ids_prompt(client):
 
 
 def test_chat_logprobs_name_each_token(client):
-    resp = client.chat.completions.create(model=BASE_MODEL, max_tokens=3, logprobs=True, top_logprobs=3,
+    # seeded; special tokens kept in the text (a sampled <|eot_id|> is named in the logprobs either way)
+    resp = client.chat.completions.create(model=BASE_MODEL, max_tokens=3, logprobs=True, top_logprobs=3, seed=7,
                                           messages=[{"role": "user", "content": "hi"}],
-                                          extra_body={"ignore_eos": True})
+                                          extra_body={"ignore_eos": True, "skip_special_tokens": False})
     content = resp.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
     assert "".join(t.token for t in content) == resp.choices[0].message.content

@@ -1,4 +1,5 @@
-"""Dense weights prepacked for oneDNN (kernels.dense_cpu): the same products as F.linear, at every M."""
+"""Dense weights prepacked at load (kernels.dense_cpu): the same products as F.linear, at every M, in both
+layouts (the native panels are tested further in test_native_cpu.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dense_cpu
+from kernels import dense_cpu, native_cpu
 from kernels.quant import dequantize, linear, nbytes, place
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
+@pytest.fixture(params=["panels", "onednn"])
+def layout(request, monkeypatch):
+    """Which packed layout `pack` makes: the native panels, or oneDNN's where the native ops are absent."""
+    if request.param == "onednn":
+        monkeypatch.setattr(native_cpu, "available_for", lambda t: None)
+    elif native_cpu.ops() is None:
+        pytest.skip("the native CPU ops are not built here")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [0, 1, 3, 17, 64])
-def test_packed_linear_equals_f_linear(dtype, m):
+def test_packed_linear_equals_f_linear(dtype, m, layout):
     g = torch.Generator().manual_seed(m)
     w = torch.randn(96, 80, generator=g).to(dtype)
     bias = torch.randn(96, generator=g).to(dtype)
@@ -22,6 +33,7 @@ def test_packed_linear_equals_f_linear(dtype, m):
     if not dense_cpu.can_pack(w):
         pytest.skip(f"oneDNN has no native {dtype} on this CPU")
     packed = dense_cpu.pack(w)
+    assert packed.layout == layout
     for b in (None, bias):
         got, want = dense_cpu.linear(x, packed, b), F.linear(x, w, b)
         assert got.shape == want.shape == (m, 96) and got.dtype == dtype
@@ -31,7 +43,7 @@ def test_packed_linear_equals_f_linear(dtype, m):
     assert packed.nbytes == w.numel() * w.element_size()
 
 
-def test_place_packs_cpu_weights_and_every_helper_reads_them(monkeypatch):
+def test_place_packs_cpu_weights_and_every_helper_reads_them(monkeypatch, layout):
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     placed = place(w, "cpu")
     assert isinstance(placed, dense_cpu.PackedDense)

@@ -1,0 +1,728 @@
+// loraplex's native CPU ops, registered as torch.ops.loraplex_cpu.*; built and loaded by
+// kernels/native_cpu.py, which states each op's semantics and keeps the torch twin it must match.
+//
+//   decode_attention   paged attention of one query token per sequence, reading keys and values in
+//                      place through the block table (the torch path gathers them into a copy first)
+//   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
+//   silu_mul           silu(x[:, :I]) * x[:, I:] of a fused gate/up projection
+//   rope_store_kv      rotate q and k in place (rotate-half RoPE), then write k and v into their cache slots
+//   bf16_linear        y = x @ W.T (+ bias) for bf16 x and a bf16 weight packed once into 16-column
+//                      panels of K pairs (AVX512-BF16 dot products; built only where the compiler targets
+//                      avx512_bf16, see has_bf16_linear)
+//   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers
+//   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
+//
+// Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void from_f(float x, float* out) { *out = x; }
+inline void from_f(float x, bf16* out) { *out = bf16(x); }  // round to nearest even, as torch's .to()
+
+// exp(x) as 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], a degree-6 polynomial for 2^f (relative
+// error ~2e-7), x clamped to [-87, 88] (so exp(-inf) = ~1e-38, not 0); written so that `omp simd`
+// vectorizes it, which std::exp does not without -ffast-math.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6180573e-3f;
+  p = p * f + 5.5503393e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+constexpr int kMaxHeadDim = 512;
+constexpr int kMaxGroup = 16;
+
+// One (sequence, kv head): the G query heads that share the kv head attend keys [lo, len).
+template <typename KV>
+void decode_one(const float* __restrict q,  // (G, D), scaled
+                const KV* __restrict k_base, const KV* __restrict v_base,  // this kv head's slot 0
+                int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
+                int64_t lo, int64_t len, int64_t G, int64_t D, float* __restrict scores,  // (G, len - lo)
+                float* __restrict acc) {  // (G, D)
+  const int64_t n = len - lo;
+  float mx[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
+  float kf[kMaxHeadDim];
+  for (int64_t j = lo; j < len; ++j) {
+    const KV* k = k_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
+      scores[g * n + (j - lo)] = s;
+      mx[g] = std::max(mx[g], s);
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    const float m = mx[g];
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = fast_exp(sg[i] - m);
+      sg[i] = e;
+      t += e;
+    }
+    inv_sum[g] = 1.f / t;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = lo; j < len; ++j) {
+    const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(v[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + (j - lo)];
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// decode_one for head_dim = 16 * C, in AVX-512 registers: each key's C chunks are loaded once and
+// dotted with the G query heads (one horizontal sum per key and head), each value's chunks scaled into
+// G * C accumulators held in memory (L1).
+template <typename KV, int C>
+void decode_one_avx512(const float* __restrict q, const KV* __restrict k_base, const KV* __restrict v_base,
+                       int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
+                       int64_t lo, int64_t len, int64_t G, float* __restrict scores, float* __restrict acc) {
+  constexpr int D = 16 * C;
+  const int64_t n = len - lo;
+  float mx[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j < len; ++j) {
+    const KV* k = k_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
+    __m512 kc[C];
+    for (int c = 0; c < C; ++c) kc[c] = load16(k + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], a);
+      const float sc = _mm512_reduce_add_ps(a);
+      scores[g * n + (j - lo)] = sc;
+      mx[g] = std::max(mx[g], sc);
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    const float m = mx[g];
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = fast_exp(sg[i] - m);
+      sg[i] = e;
+      t += e;
+    }
+    inv_sum[g] = 1.f / t;
+  }
+  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+  for (int64_t j = lo; j < len; ++j) {
+    const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
+    __m512 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + (j - lo)]);
+      float* ag = acc + g * D;
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(p, vc[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + g * D + 16 * c)));
+  }
+}
+#endif
+
+template <typename Q, typename KV>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& seq_lens,
+                           double scale, int64_t window, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(2), block_size = k_cache.size(1), G = Hq / Hkv;
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+  TORCH_CHECK(kb == vb && ks == vs && kh == vh, "decode_attention: k_cache and v_cache need the same strides");
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t* ids = seq_ids.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    float qf[kMaxGroup * kMaxHeadDim];
+    float acc[kMaxGroup * kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv, s = ids[b];
+      const int64_t len = lens[s];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      if (len <= lo) {  // nothing visible (not reachable from the engine): zeros, not NaN
+        for (int64_t i = 0; i < G * D; ++i) from_f(0.f, op + b * Hq * D + h * G * D + i);
+        continue;
+      }
+      scores.resize(static_cast<size_t>(G * (len - lo)));
+      const Q* qb = qp + b * q.stride(0) + h * G * q.stride(1);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qb[g * q.stride(1) + d]) * sc;
+      const KV* kh_base = kp + h * kh;
+      const KV* vh_base = vp + h * kh;
+      const int32_t* table = tables + s * table_stride;
+#if defined(__AVX512F__)
+      if (D == 64) {
+        decode_one_avx512<KV, 4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, scores.data(), acc);
+      } else if (D == 128) {
+        decode_one_avx512<KV, 8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, scores.data(), acc);
+      } else
+#endif
+      {
+        decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
+      }
+      Q* ob = op + b * Hq * D + h * G * D;
+      for (int64_t i = 0; i < G * D; ++i) from_f(acc[i], ob + i);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& seq_lens,
+                            double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "decode_attention: head_dim must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  seq_ids.scalar_type() == at::kLong,
+              "decode_attention: block_tables/seq_lens int32, seq_ids int64");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() && seq_ids.is_contiguous(),
+              "decode_attention: index tensors must be contiguous");
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup && D <= kMaxHeadDim, "decode_attention: unsupported heads");
+  TORCH_CHECK(seq_ids.size(0) == q.size(0), "decode_attention: one seq id per query row");
+  at::Tensor out = at::empty({q.size(0), Hq, D}, q.options());
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kt, "decode_attention: k and v caches differ in dtype");
+  if (qt == at::kFloat && kt == at::kFloat) {
+    decode_attention_impl<float, float>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
+  } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
+    decode_attention_impl<bf16, bf16>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
+  } else if (qt == at::kFloat && kt == at::kBFloat16) {
+    decode_attention_impl<float, bf16>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: dtypes float32 or bfloat16");
+  }
+  return out;
+}
+
+// ---- add_rms_norm: residual (+)= delta in place; returns weight * rmsnorm(residual) ----------------------
+template <typename T>
+void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::Tensor& weight, double eps,
+                       at::Tensor& out) {
+  const int64_t rows = residual.size(0), H = residual.size(1);
+  T* rp = residual.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const int64_t ds = delta ? delta->stride(0) : 0;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t rs = residual.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(H));
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = rp + r * rs;
+      if (dp) {
+        const T* dr = dp + r * ds;
+        for (int64_t i = 0; i < H; ++i) x[i] = T(to_f(x[i]) + to_f(dr[i]));  // rounded as torch's x + delta
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) {
+        xf[i] = to_f(x[i]);
+        ss += xf[i] * xf[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      T* o = op + r * H;
+      for (int64_t i = 0; i < H; ++i) {
+        T normed;
+        from_f(xf[i] * inv, &normed);  // the input dtype first, then the weight: HF's LlamaRMSNorm
+        from_f(to_f(wp[i]) * to_f(normed), o + i);
+      }
+    }
+  });
+}
+
+at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.stride(1) == 1, "add_rms_norm: residual (rows, H), rows contiguous");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "add_rms_norm: weight (H,)");
+  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "add_rms_norm: weight dtype differs");
+  if (delta) {
+    TORCH_CHECK(delta->sizes() == residual.sizes() && delta->stride(1) == 1 &&
+                    delta->scalar_type() == residual.scalar_type(),
+                "add_rms_norm: delta must match residual");
+  }
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  const at::Tensor* d = delta ? &*delta : nullptr;
+  if (residual.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(residual, d, weight, eps, out);
+  } else if (residual.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<bf16>(residual, d, weight, eps, out);
+  } else {
+    TORCH_CHECK(false, "add_rms_norm: dtypes float32 or bfloat16");
+  }
+  return out;
+}
+
+// ---- silu_mul: (rows, 2I) -> (rows, I) ----------------------------------------------------------------
+template <typename T>
+void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = xp + r * xs;
+      const T* u = g + I;
+      T* o = op + r * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float gf = to_f(g[i]);
+        T act;
+        from_f(gf / (1.f + fast_exp(-gf)), &act);  // silu in the input dtype, then the product: F.silu(g) * u
+        from_f(to_f(act) * to_f(u[i]), o + i);
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_mul: x (rows, 2I), rows contiguous");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(x, out);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_impl<bf16>(x, out);
+  } else {
+    TORCH_CHECK(false, "silu_mul: dtypes float32 or bfloat16");
+  }
+  return out;
+}
+
+// ---- rope_store_kv ---------------------------------------------------------------------------------------
+// qk: (T, Hq + Hkv, D) view (head_dim contiguous), rotated in place; heads Hq.. are the keys. v: (T, Hkv, D).
+// cos, sin: (T, D) float32. Caches (num_blocks, block_size, Hkv, D), any strides; slot = block * bs + offset.
+template <typename T>
+void rope_store_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t num_q_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t n_tok = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
+  const int64_t qs0 = qk.stride(0), qs1 = qk.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t bs = k_cache.size(1), cb = k_cache.stride(0), cs = k_cache.stride(1), ch = k_cache.stride(2);
+  const int64_t hkv = heads - num_q_heads;
+  T* qp = qk.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n_tok, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      const int64_t slot = sl[t];
+      const int64_t base = (slot / bs) * cb + (slot % bs) * cs;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qp + t * qs0 + h * qs1;
+        float lo[kMaxHeadDim / 2], hi[kMaxHeadDim / 2];
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = to_f(x[d]), b = to_f(x[d + half]);
+          lo[d] = a * c[d] - b * s[d];
+          hi[d] = b * c[d + half] + a * s[d + half];
+        }
+        for (int64_t d = 0; d < half; ++d) {
+          from_f(lo[d], x + d);
+          from_f(hi[d], x + d + half);
+        }
+        if (h >= num_q_heads) {
+          T* dst = kc + base + (h - num_q_heads) * ch;
+          std::memcpy(dst, x, static_cast<size_t>(D) * sizeof(T));
+        }
+      }
+      for (int64_t h = 0; h < hkv; ++h)
+        std::memcpy(vc + base + h * ch, vp + t * vs0 + h * vs1, static_cast<size_t>(D) * sizeof(T));
+    }
+  });
+}
+
+void rope_store_kv(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t num_q_heads, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && qk.stride(2) == 1 && v.stride(2) == 1, "rope_store_kv: bad q/k/v");
+  const int64_t D = qk.size(2), hkv = qk.size(1) - num_q_heads;
+  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadDim && hkv == v.size(1) && hkv == k_cache.size(2) && v.size(2) == D,
+              "rope_store_kv: head shapes disagree");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == qk.size(0) * D && sin.numel() == cos.numel(),
+              "rope_store_kv: cos/sin (T, D) float32");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == qk.size(0),
+              "rope_store_kv: one int64 slot per token");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(),
+              "rope_store_kv: caches need head_dim contiguous and equal strides");
+  const auto dt = qk.scalar_type();
+  TORCH_CHECK(v.scalar_type() == dt && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "rope_store_kv: q/k/v and the caches share one dtype");
+  if (dt == at::kFloat) {
+    rope_store_kv_impl<float>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  } else if (dt == at::kBFloat16) {
+    rope_store_kv_impl<bf16>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  } else {
+    TORCH_CHECK(false, "rope_store_kv: dtypes float32 or bfloat16");
+  }
+}
+
+// ---- bf16_linear --------------------------------------------------------------------------------------
+// Packed weight: (N_pad / 16, K / 2, 16, 2) bf16, element [p, k2, j, t] = W[16 p + j, 2 k2 + t] (zero past N):
+// one 64-byte load is 16 output columns x 2 consecutive k, the operand layout of VDPBF16PS. A tile of MR
+// rows x NR panels keeps MR * NR fp32 accumulators in registers; threads split the panels, so each
+// thread streams its part of the weight once per MR rows (from memory at decode sizes, from cache when
+// many rows re-read a panel group).
+bool has_bf16_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// One panel's 32 weights at pair k2 as 16 bf16 pairs: bf16 panels are loaded as they are; int8 panels
+// (same order, 32 bytes) are widened exactly (an int8 is a bf16 integer).
+template <bool I8>
+inline __m512i panel_pairs(const void* panel, int64_t k2) {
+  if constexpr (I8) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(panel) + k2 * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    return _mm512_loadu_si512(static_cast<const uint16_t*>(panel) + k2 * 32);
+  }
+}
+
+// out[i, 16 (p0 + j) + c] = (sum_k x[i, k] W[16 (p0 + j) + c, k]) * scale + bias, MR rows x NR panels.
+template <int MR, int NR, bool I8>
+inline void bf16_tile(const uint16_t* __restrict x, int64_t xs, const void* __restrict w, int64_t K2, int64_t p0,
+                      int64_t N, uint16_t* __restrict out, int64_t os, const float* __restrict scale,
+                      const float* __restrict bias) {
+  constexpr int64_t panel_bytes_per_k2 = I8 ? 32 : 64;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const void* panel[NR];
+  for (int j = 0; j < NR; ++j) panel[j] = static_cast<const char*>(w) + (p0 + j) * K2 * panel_bytes_per_k2;
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m512i b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = panel_pairs<I8>(panel[j], k2);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * xs + 2 * k2, sizeof pair);
+      const __m512i a = _mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n0 = (p0 + j) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.f);
+    for (int i = 0; i < MR; ++i) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[i][j], sv, bv));  // round to nearest even
+      _mm256_mask_storeu_epi16(out + i * os + n0, mask, (__m256i)r);
+    }
+  }
+}
+
+template <int MR, bool I8>
+void bf16_tile_nr(int nr, const uint16_t* x, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t N,
+                  uint16_t* out, int64_t os, const float* scale, const float* bias) {
+  switch (nr) {
+    case 4: bf16_tile<MR, 4, I8>(x, xs, w, K2, p0, N, out, os, scale, bias); break;
+    case 3: bf16_tile<MR, 3, I8>(x, xs, w, K2, p0, N, out, os, scale, bias); break;
+    case 2: bf16_tile<MR, 2, I8>(x, xs, w, K2, p0, N, out, os, scale, bias); break;
+    default: bf16_tile<MR, 1, I8>(x, xs, w, K2, p0, N, out, os, scale, bias); break;
+  }
+}
+
+#endif
+
+constexpr int64_t kPanelsPerTile = 4;
+constexpr int64_t kRowsPerTile = 6;
+
+#if defined(__AVX512BF16__)
+// Rows [0, M) of panels p0 .. p0 + nr - 1, kRowsPerTile rows per tile.
+template <bool I8>
+void bf16_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t n,
+               uint16_t* op, int64_t os, const float* scale, const float* bias) {
+  for (int64_t m = 0; m < M; m += kRowsPerTile) {
+    const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+    const uint16_t* xr = xp + m * xs;
+    uint16_t* orow = op + m * os;
+    switch (mr) {
+      case 6: bf16_tile_nr<6, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias); break;
+      case 5: bf16_tile_nr<5, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias); break;
+      case 4: bf16_tile_nr<4, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias); break;
+      case 3: bf16_tile_nr<3, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias); break;
+      case 2: bf16_tile_nr<2, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias); break;
+      default: bf16_tile_nr<1, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias); break;
+    }
+  }
+}
+#endif
+
+// y = (x @ W.T) * scale + bias over bf16 or int8 panels; int8 with more rows than one tile first widens
+// each panel group to bf16 in a per-thread buffer, so the conversion is paid once per group, not per tile.
+at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n, const float* scale,
+                             const float* bp) {
+  const bool i8 = w.scalar_type() == at::kChar;
+  const int64_t M = x.size(0), K2 = w.size(1), panels = w.size(0), xs = x.stride(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+#if defined(__AVX512BF16__)
+  if (M == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const void* wp = w.data_ptr();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> widened;
+    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
+      if (!i8) {
+        bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp);
+      } else if (M <= kRowsPerTile) {
+        bf16_rows<true>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp);
+      } else {
+        widened.resize(static_cast<size_t>(nr * K2 * 32));
+        const int8_t* src = static_cast<const int8_t*>(wp) + p0 * K2 * 32;
+        for (int64_t k2 = 0; k2 < nr * K2; ++k2)
+          _mm512_storeu_si512(widened.data() + k2 * 32, panel_pairs<true>(src, k2));
+        // the buffer holds panels p0 .. p0 + nr - 1 as panels 0 .. nr - 1: shift the output and scales
+        bf16_rows<false>(M, nr, xp, xs, widened.data(), K2, 0, n - p0 * 16, op + p0 * 16, n,
+                         scale ? scale + p0 * 16 : nullptr, bp ? bp + p0 * 16 : nullptr);
+      }
+    }
+  });
+  return out;
+#else
+  (void)i8; (void)M; (void)K2; (void)panels; (void)xs; (void)scale; (void)bp;
+  TORCH_CHECK(false, "bf16_linear: this build has no AVX512-BF16 (see has_bf16_linear)");
+#endif
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "bf16_linear: x (M, K) bfloat16, rows contiguous");
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 2 &&
+                  w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == x.size(1) && w.size(0) * 16 >= n,
+              "bf16_linear: w must be packed for this K and N");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bf16_linear: bias (N,) float32");
+    bp = bias->data_ptr<float>();
+  }
+  return panel_linear_bf16(x, w, n, nullptr, bp);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "int8_linear: x (M, K) bfloat16, rows contiguous");
+  const int64_t n = scales.numel();
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kChar &&
+                  w.size(1) * 2 == x.size(1) && w.size(0) * 16 >= n && w.size(0) * 16 < n + 16,
+              "int8_linear: w must be int8 panels for this K and N");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous(),
+              "int8_linear: scales (N,) float32 or bfloat16");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int8_linear: bias (N,) float32");
+    bp = bias->data_ptr<float>();
+  }
+  if (scales.scalar_type() == at::kFloat) return panel_linear_bf16(x, w, n, scales.data_ptr<float>(), bp);
+  std::vector<float> sf(static_cast<size_t>(n));
+  const bf16* sp = scales.data_ptr<bf16>();
+  for (int64_t i = 0; i < n; ++i) sf[i] = to_f(sp[i]);
+  return panel_linear_bf16(x, w, n, sf.data(), bp);
+}
+
+#if defined(__AVX512F__)
+// The float32 twin of bf16_tile: panels (N_pad / 16, K, 16), one k per FMA.
+template <int MR, int NR>
+inline void f32_tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, int64_t p0,
+                     int64_t N, float* __restrict out, int64_t os, const float* __restrict bias) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* panel[NR];
+  for (int j = 0; j < NR; ++j) panel[j] = w + (p0 + j) * K * 16;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_ps(panel[j] + k * 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(x[i * xs + k]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n0 = (p0 + j) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + i * os + n0, mask, _mm512_add_ps(acc[i][j], bv));
+  }
+}
+
+template <int MR>
+void f32_tile_nr(int nr, const float* x, int64_t xs, const float* w, int64_t K, int64_t p0, int64_t N, float* out,
+                 int64_t os, const float* bias) {
+  switch (nr) {
+    case 4: f32_tile<MR, 4>(x, xs, w, K, p0, N, out, os, bias); break;
+    case 3: f32_tile<MR, 3>(x, xs, w, K, p0, N, out, os, bias); break;
+    case 2: f32_tile<MR, 2>(x, xs, w, K, p0, N, out, os, bias); break;
+    default: f32_tile<MR, 1>(x, xs, w, K, p0, N, out, os, bias); break;
+  }
+}
+#endif
+
+bool has_f32_linear() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "f32_linear: x (M, K) float32, rows contiguous");
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) == 16 && w.scalar_type() == at::kFloat &&
+                  w.size(1) == x.size(1) && w.size(0) * 16 >= n,
+              "f32_linear: w must be packed for this K and N");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "f32_linear: bias (N,) float32");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), K = w.size(1), panels = w.size(0), xs = x.stride(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+#if defined(__AVX512F__)
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
+      for (int64_t m = 0; m < M; m += kRowsPerTile) {
+        const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+        const float* xr = xp + m * xs;
+        float* orow = op + m * n;
+        switch (mr) {
+          case 6: f32_tile_nr<6>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
+          case 5: f32_tile_nr<5>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
+          case 4: f32_tile_nr<4>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
+          case 3: f32_tile_nr<3>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
+          case 2: f32_tile_nr<2>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
+          default: f32_tile_nr<1>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
+        }
+      }
+    }
+  });
+  return out;
+#else
+  (void)bp; (void)M; (void)K; (void)panels; (void)xs;
+  TORCH_CHECK(false, "f32_linear: this build has no AVX-512 (see has_f32_linear)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loraplex_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_ids, "
+        "Tensor seq_lens, float scale, int window) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("rope_store_kv(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, int num_q_heads, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor slots) -> ()");
+  m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("has_bf16_linear() -> bool", &has_bf16_linear);
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("has_f32_linear() -> bool", &has_f32_linear);
+}
+
+TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_store_kv", &rope_store_kv);
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("f32_linear", &f32_linear);
+}

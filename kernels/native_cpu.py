@@ -1,0 +1,133 @@
+"""loraplex's native CPU ops (kernels/csrc/cpu_ops.cpp), built once per machine and loaded on demand.
+
+The CPU decode step is many small ops: at batch 1 each layer's RMSNorms, residual adds, SiLU-and-multiply
+and the attention over a few hundred cached keys are ~40 dispatches of microseconds each, and at batch 32
+the torch attention path copies every sequence's keys and values out of the paged cache, per layer, per
+step, before it multiplies them (about a third of a long-context step, docs/benchmarks.md). These ops do
+that work in one pass each, reading the paged cache in place, the way vLLM's CPU build and llama.cpp do
+it in C++. Each has a torch twin (kernels/fused.py, kernels/attention.py) that it must match and that runs
+wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0).
+
+    decode_attention(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window) -> (B, H_q, D)
+        Semantics: row b is sequence seq_ids[b]'s one query token, at position seq_lens[s] - 1; it
+        attends keys max(0, len - window) .. len - 1 (all when window <= 0) read through block_tables[s]:
+        out[b, h] = softmax_j(scale * q[b, h] . K[j, h // G]) @ V[j, h // G], fp32 accumulation, in
+        q's dtype. Caches (num_blocks, block_size, H_kv, D) with any block/slot/head strides.
+    add_rms_norm(residual, delta, weight, eps) -> out
+        Semantics: residual += delta (in place, rounded to residual's dtype; skipped when delta is None),
+        then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).
+    silu_mul(x) -> (rows, I)
+        Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
+
+Built with the host's compiler flags (`-march=native`) into LORAPLEX_NATIVE_DIR (default
+~/.cache/loraplex/native), under a name that hashes the source, the flags, torch's version and the CPU's
+feature flags: a machine with another CPU, or a changed source, builds its own copy (~10 s with g++ and
+ninja; scripts/setup.sh does it ahead of the first request). If the build fails the reason is logged once
+and every op runs its torch twin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.cpu_features import CPUINFO, cpu_flags
+
+NATIVE_ENV = "LORAPLEX_CPU_NATIVE"  # "0": run every op's torch twin (for A/B measurements)
+DIR_ENV = "LORAPLEX_NATIVE_DIR"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's own libgomp
+LDFLAGS = ("-fopenmp",)
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "ops": the loaded op namespace or None; "error": why not
+
+
+def build_name() -> str:
+    """The library's name for this source, these flags, this torch and this CPU."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    with contextlib.suppress(OSError):
+        h.update(" ".join(sorted(cpu_flags(CPUINFO.read_text()))).encode())
+    return "loraplex_cpu_" + h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    base = os.environ.get(DIR_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                    "loraplex", "native")
+    return Path(base) / build_name()
+
+
+def enabled() -> bool:
+    return os.environ.get(NATIVE_ENV, "1") != "0"
+
+
+def ops() -> Any | None:
+    """`torch.ops.loraplex_cpu` once the library is built and loaded; None when disabled or unbuildable."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load() if enabled() else None
+    return _state["ops"]
+
+
+def loaded_name() -> str | None:
+    """The name of the library this process loaded (None before, or if it did not load)."""
+    return _state.get("name")
+
+
+def error() -> str | None:
+    """Why the ops are not available (None if they are, or were never asked for)."""
+    return _state.get("error")
+
+
+def _load() -> Any | None:
+    try:
+        from torch.utils import cpp_extension
+
+        name, directory = build_name(), build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        # copies: load() appends to the flag lists it is given
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+        _state["name"] = name
+        return torch.ops.loraplex_cpu
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch twins still run
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        _state["error"] = f"{type(exc).__name__}: {first}"[:500]
+        log.warning("native CPU ops unavailable, using the torch path: %s", _state["error"])
+        return None
+
+
+def available_for(t: torch.Tensor) -> Any | None:
+    """The op namespace if `t` (a CPU tensor in float32 or bfloat16) can run the native ops, else None."""
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return ops()
+
+
+def main() -> int:
+    """`python -m kernels.native_cpu`: build (or find) the library now; exit 1 if it cannot be built."""
+    logging.basicConfig(level=logging.INFO)
+    if not enabled():
+        print(f"native CPU ops: disabled ({NATIVE_ENV}=0)")
+        return 0
+    if ops() is None:
+        print(f"native CPU ops: not built ({error()})")
+        return 1
+    print(f"native CPU ops: ready ({build_dir()})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

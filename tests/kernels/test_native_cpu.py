@@ -1,0 +1,188 @@
+"""The native CPU ops (kernels/native_cpu.py) against their torch twins and the naive references.
+
+The library must build on every machine the suite runs on (setup installs g++ and ninja): a silent fall
+back to the torch path would leave the engine's CPU serving path untested, so its absence fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import dense_cpu, native_cpu
+from kernels.attention import StepAttentionPlan, paged_attention, paged_attention_ref, write_kv
+from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, rotate_half_ref, silu_mul
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not native_cpu.enabled():
+        pytest.skip(f"{native_cpu.NATIVE_ENV}=0")
+    loaded = native_cpu.ops()
+    assert loaded is not None, f"the native CPU ops did not build: {native_cpu.error()}"
+    return loaded
+
+
+def test_the_library_builds_and_is_named_for_this_source_and_cpu(ops):
+    name = native_cpu.loaded_name()
+    assert name is not None and name.startswith("loraplex_cpu_")
+    assert native_cpu.build_name() == name == native_cpu.build_dir().name  # the source here is what was built
+    assert (native_cpu.build_dir() / f"{name}.so").exists()
+
+
+def _decode_batch(paged_batch, lens, *, block_size, num_kv_heads, group, head_dim, dtype, seed, head_major):
+    batch = paged_batch([1] * len(lens), lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                        head_dim=head_dim, dtype=dtype, seed=seed)
+    k, v = batch.k_cache, batch.v_cache
+    if head_major:  # the engine's CPU storage: (H_kv, blocks, block_size, D) seen as (blocks, block_size, H_kv, D)
+        k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in (k, v))
+    return batch, k, v
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "group", "head_dim", "window"),
+    [(16, 3, 3, 64, None), (8, 2, 4, 128, None), (4, 1, 1, 32, None), (16, 2, 2, 64, 9), (4, 2, 8, 80, 1)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_decode_attention_matches_the_naive_reference(ops, paged_batch, dense_attention, block_size, num_kv_heads,
+                                                      group, head_dim, window, dtype, head_major):
+    lens = [1, 37, 5, 100, 64, 16, 17]  # one key, block edges, a long one
+    batch, k, v = _decode_batch(paged_batch, lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                                head_dim=head_dim, dtype=dtype, seed=head_dim + group, head_major=head_major)
+    scale = head_dim**-0.5
+    ids = torch.arange(len(lens))
+    out = ops.decode_attention(batch.q, k, v, batch.block_tables, ids, batch.seq_lens, scale, window or 0)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    want = dense_attention(batch, scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_decode_attention_reads_the_sequences_it_is_given(ops, paged_batch, dense_attention):
+    """Rows name their sequence (a mixed step's decode rows are a subset, in any order)."""
+    batch = paged_batch([1, 1, 1, 1], [30, 3, 50, 9], block_size=8, num_kv_heads=2, group=2, head_dim=64, seed=4)
+    ids = torch.tensor([2, 0], dtype=torch.int64)
+    out = ops.decode_attention(batch.q[ids], batch.k_cache, batch.v_cache, batch.block_tables, ids, batch.seq_lens,
+                               0.125, 0)
+    want = dense_attention(batch, 0.125, None)[ids]
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_on_mixed_batches_equals_the_reference(ops, paged_batch, dtype):
+    batch = paged_batch([1, 7, 1, 12, 3, 1], [9, 7, 20, 33, 5, 1], block_size=4, num_kv_heads=2, group=2,
+                        head_dim=64, dtype=dtype, seed=1)
+    plan = StepAttentionPlan.build(batch.block_tables, batch.query_start_loc, batch.seq_lens, 4, 6)
+    got = paged_attention(*batch.args(), 0.2, 6, plan)
+    want = paged_attention_ref(*batch.args(), 0.2, 6, plan)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the reference rounds bf16 probabilities, the kernel does not
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_equals_the_twin(ops, dtype, with_delta):
+    g = torch.Generator().manual_seed(3)
+    residual = (torch.randn(9, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(9, 576, generator=g).to(dtype) if with_delta else None
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    want_new = residual + delta if delta is not None else residual.clone()
+    want = rms_norm_ref(want_new, weight, 1e-5)
+    mine = residual.clone()
+    new, out = add_rms_norm(mine, delta, weight, 1e-5)
+    assert new.data_ptr() == mine.data_ptr()  # updated in place, as the layer loop expects
+    assert torch.equal(new, want_new)  # the residual add rounds like torch's
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: an occasional last-bit difference
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_the_twin(ops, dtype):
+    x = (torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(silu_mul(x).float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_equals_the_twin(ops, dtype):
+    g = torch.Generator().manual_seed(6)
+    n_tok, hq, hkv, d, block_size, blocks = 5, 6, 2, 64, 4, 8
+    qkv = torch.randn(n_tok, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 17, 100, 2047])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([torch.outer(pos.float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    slots = torch.tensor([3, 0, 17, 30, 9])
+    storage = torch.zeros(2, hkv, blocks, block_size, d, dtype=dtype)  # head-major k and v caches
+    k_cache, v_cache = storage[0].permute(1, 2, 0, 3), storage[1].permute(1, 2, 0, 3)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+
+    def views(t):
+        return (t[:, : (hq + hkv) * d].view(n_tok, hq + hkv, d), t[:, (hq + hkv) * d :].view(n_tok, hkv, d))
+
+    rot = rotate_half_ref(views(qkv)[0], cos, sin)
+    write_kv(rot[:, hq:], views(qkv)[1], ref_k, ref_v, slots)
+    mine = qkv.clone()
+    q = rope_store_kv(*views(mine), cos, sin, hq, k_cache, v_cache, slots)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(q.float(), rot[:, :hq].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache.float(), ref_k.float(), atol=tol, rtol=tol)
+    assert torch.equal(v_cache, ref_v)  # values are copied as they are
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [0, 1, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(96, 80), (72, 64), (600, 96)])
+def test_panel_linear_equals_f_linear(ops, dtype, m, n, k):
+    """Every tile shape: rows 1..6 and their remainders, panel groups of 1..4, N not a multiple of 16."""
+    g = torch.Generator().manual_seed(m + n)
+    w, bias = (torch.randn(n, k, generator=g) / k**0.5).to(dtype), torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    packed = dense_cpu.pack(w)
+    assert packed.layout == "panels"
+    for b in (None, bias):
+        got, want = dense_cpu.linear(x, packed, b), F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert got.shape == (m, n) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert torch.equal(dense_cpu.unpack(packed), w)
+    ids = torch.tensor([0, n - 1, 17, 17, 5])
+    assert torch.equal(dense_cpu.rows(packed, ids), w[ids])  # a tied embedding's lookup
+    assert packed.nbytes == -(-n // 16) * 16 * k * w.element_size()
+
+
+def test_panel_linear_takes_strided_rows_and_leading_dims(ops):
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 64, generator=g)
+    packed = dense_cpu.pack(w)
+    wide = torch.randn(10, 100, generator=g)
+    x = wide[:, 3:67]  # row stride 100
+    torch.testing.assert_close(dense_cpu.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 64, generator=g)
+    torch.testing.assert_close(dense_cpu.linear(x3, packed), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 6, 7, 13, 64])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 32), (600, 96)])
+def test_int8_panels_equal_the_dequantized_product(ops, m, n, k):
+    """Streaming tiles (up to 6 rows) and the widened-to-bf16 path (more rows), with a bias."""
+    from kernels.quant import dequantize, int8_rows, linear, place, quantize_int8
+
+    g = torch.Generator().manual_seed(m * n)
+    q = quantize_int8(torch.randn(n, k, generator=g), torch.bfloat16)
+    placed = place(q, "cpu")
+    assert placed.layout == "panels" and placed.shape == (n, k)
+    assert torch.equal(int8_rows(placed), q.qweight) and torch.equal(dequantize(placed), dequantize(q))
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    for b in (None, bias):
+        want = F.linear(x.float(), dequantize(q), None if b is None else b.float())
+        got = linear(x, placed, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert isinstance(place(placed, "cpu").qweight, torch.Tensor)  # placing again keeps the values
+    assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)
