@@ -83,12 +83,24 @@ def _onednn_can_pack(w: torch.Tensor) -> bool:
     return w.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+_BF16_LINEAR: Any = None  # the native ops' overloads, bound when the first panels are made
+_F32_LINEAR: Any = None
+_INT8_LINEAR: Any = None
+
+
+def _bind(ops: Any) -> None:
+    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR
+    _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR = ops.bf16_linear.default, ops.f32_linear.default, ops.int8_linear.default
+
+
 def pack(w: torch.Tensor) -> PackedDense:
     """Pack (N, K) `w` once: panels where the native kernel runs (can_pack), else oneDNN's layout (no
     batch-size hint: one layout serves every M)."""
     w = w.contiguous()
     n, k = w.shape
-    if _panel_kernel(w) is not None:
+    ops = _panel_kernel(w)
+    if ops is not None:
+        _bind(ops)
         return PackedDense(panel(w), (n, k), w.dtype, "panels")
     return PackedDense(torch.ops.mkldnn._reorder_linear_weight(w, None), (n, k), w.dtype)
 
@@ -116,7 +128,10 @@ def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     even K, and the native bf16 kernel built."""
     if os.environ.get(PREPACK_ENV, "1") == "0" or q.device.type != "cpu" or scales.dtype != torch.bfloat16:
         return False
-    return _panel_kernel(torch.empty(0, q.shape[1], dtype=torch.bfloat16)) is not None
+    ops = _panel_kernel(torch.empty(0, q.shape[1], dtype=torch.bfloat16))
+    if ops is not None:
+        _bind(ops)
+    return ops is not None
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -125,14 +140,15 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
     Semantics: the reference is F.linear(x.float(), unpanel(qweight) * scales[:, None], bias), rounded to bf16.
     """
-    ops = native_cpu.ops()
-    assert ops is not None, "int8 panels are only made where the native ops run"
+    assert _INT8_LINEAR is not None, "int8 panels are only made where the native ops run"
+    if x.dim() == 2 and x.stride(1) == 1 and bias is None:
+        return _INT8_LINEAR(x, qweight, scales, None)
     lead, k = x.shape[:-1], qweight.shape[1] * 2
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     b = None if bias is None else bias.float().contiguous()
-    return ops.int8_linear(x2, qweight, scales, b).view(*lead, scales.shape[0])
+    return _INT8_LINEAR(x2, qweight, scales, b).view(*lead, scales.shape[0])
 
 
 def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,6 +158,9 @@ def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) ->
         y[t, n] = sum_k x[t, k] * W[n, k] + bias[n]   (the reference twin is F.linear(x, unpack(w), bias))
         x: (T, K) in w's dtype, bias: (N,) or None -> y: (T, N) in that dtype.
     """
+    if w.layout == "panels" and x.dim() == 2 and x.stride(1) == 1 and bias is None and x.dtype == w.dtype:
+        # the decode step's common case, with the fewest Python steps (120+ calls a step)
+        return (_BF16_LINEAR if w.dtype == torch.bfloat16 else _F32_LINEAR)(x, w.packed, w.shape[0], None)
     if x.dtype != w.dtype:
         raise ValueError(f"x is {x.dtype} but the packed weight is {w.dtype}")
     if w.layout == "panels":

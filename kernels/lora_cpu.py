@@ -1,4 +1,11 @@
-"""The CPU path of the batched LoRA ops: three strategies and the measured rule that picks one per slot.
+"""The CPU path of the batched LoRA ops: the native kernel, or three torch strategies and the measured rule
+that picks one per slot.
+
+    native    every token of every slot in one call per projection group (kernels/native_cpu.py's
+              `lora_add`, where it is built): each token's shrink against its slot's A at the slot's own
+              ranks, then its expand over a cached transposed copy of B, in fp32, each output rounded once.
+              No per-slot matmul calls: the torch strategies below spend most of a multi-adapter step in
+              thousands of small matmul dispatches (docs/benchmarks.md). "auto" takes it where it exists.
 
     by_slot   one slot at a time, straight from the padded buffers (no copy): its rows of x (a view for
               one segment), one shrink matmul over all its slices when they use the full max rank, else
@@ -35,11 +42,12 @@ from typing import Literal
 
 import torch
 
+from kernels import native_cpu
 from kernels.lora_meta import LoRABatchMeta
 from kernels.lora_weights import LoRAStackedWeights
 
-Strategy = Literal["auto", "by_slot", "packed", "stacked"]
-STRATEGIES: tuple[Strategy, ...] = ("auto", "by_slot", "packed", "stacked")
+Strategy = Literal["auto", "native", "by_slot", "packed", "stacked"]
+STRATEGIES: tuple[Strategy, ...] = ("auto", "native", "by_slot", "packed", "stacked")
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,10 @@ def add_lora_cpu(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not meta.active_slots:
         return
+    if strategy in ("auto", "native") and _add_native(y, x, weights, meta):
+        return
+    if strategy == "native":
+        raise ValueError("the native CPU LoRA kernel is not available for these tensors")
     alone, together, how = _plan(meta, strategy, RULES["fp32" if x.dtype == torch.float32 else "16bit"])
     for slot, rows in alone:
         _add_slot(y, x, weights, slot, rows)
@@ -120,6 +132,27 @@ def add_lora_cpu(
         return
     rows = torch.cat([_as_index(rows) for _, rows in together])  # (T_together,)
     _add_packed(y, x, weights, meta.token_slots.index_select(0, rows), slots, rows)
+
+
+def _add_native(y: torch.Tensor, x: torch.Tensor, weights: LoRAStackedWeights, meta: LoRABatchMeta) -> bool:
+    """The native kernel's add, if it runs these tensors (else False, and nothing is done)."""
+    ops = native_cpu.available_for(x)
+    if (ops is None or x.dtype != weights.lora_a.dtype or y.dtype != x.dtype or x.stride(1) != 1
+            or y.stride(1) != 1 or not weights.lora_a.is_contiguous() or meta.token_slots.dtype != torch.int32):
+        return False
+    ops.lora_add(y, x, weights.lora_a, transposed_b(weights), weights.ranks, weights.scaling,
+                 meta.token_slots.contiguous(), list(weights.slice_sizes))
+    return True
+
+
+def transposed_b(weights: LoRAStackedWeights) -> torch.Tensor:
+    """lora_b as (num_slots, R, sum(n_i)), contiguous: the native expand's operand, cached until a slot write."""
+    key = ("b_t",)
+    cached = weights.cpu_cache.get(key)
+    if cached is None:
+        cached = weights.lora_b.transpose(1, 2).contiguous()
+        _cache_put(weights, key, cached)
+    return cached
 
 
 def lora_shrink_cpu(x: torch.Tensor, weights: LoRAStackedWeights, meta: LoRABatchMeta) -> torch.Tensor:
@@ -228,7 +261,7 @@ def stacked_factors(weights: LoRAStackedWeights, slots: tuple[int, ...]) -> Stac
     return stack
 
 
-def _cache_put(weights: LoRAStackedWeights, key: tuple, value: PackedFactors | StackedFactors) -> None:
+def _cache_put(weights: LoRAStackedWeights, key: tuple, value: PackedFactors | StackedFactors | torch.Tensor) -> None:
     """Cache `value`, first dropping the oldest packs and stacks (dicts keep insertion order) until the
     cache, `value` included, holds no more bytes than the buffer's own lora_a and lora_b."""
     budget = weights.lora_a.nbytes + weights.lora_b.nbytes
@@ -241,7 +274,9 @@ def _cache_put(weights: LoRAStackedWeights, key: tuple, value: PackedFactors | S
     weights.cpu_cache[key] = value
 
 
-def _nbytes(value: PackedFactors | StackedFactors) -> int:
+def _nbytes(value: PackedFactors | StackedFactors | torch.Tensor) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
     return value.a.nbytes + sum(b.nbytes for b in value.b_t if b is not None)
 
 

@@ -46,6 +46,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's own libgomp
 LDFLAGS = ("-fopenmp",)
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ops": the loaded op namespace or None; "error": why not
@@ -111,9 +113,9 @@ def _load() -> Any | None:
 
 def available_for(t: torch.Tensor) -> Any | None:
     """The op namespace if `t` (a CPU tensor in float32 or bfloat16) can run the native ops, else None."""
-    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+    if not t.is_cpu or t.dtype not in _NATIVE_DTYPES:
         return None
-    return ops()
+    return _state["ops"] if "ops" in _state else ops()
 
 
 def main() -> int:

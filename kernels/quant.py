@@ -43,10 +43,14 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         copy; fp32 and fp16 a dequantized copy in their dtype; on CUDA the Triton kernel sums in fp32), so y
         agrees with `linear_ref` to that dtype's rounding.
     """
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
     if isinstance(w, PackedDense):
         return dense_cpu.linear(x, w, bias)
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if isinstance(w, Int8Weight) and w.layout == "panels":  # CPU only, bf16 scales (place)
+        if x.dtype != w.scales.dtype:
+            raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {w.scales.dtype}")
+        return dense_cpu.int8_linear(x, w.qweight, w.scales, bias)
     if x.dtype != _scales(w).dtype:
         raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {_scales(w).dtype}")
     if x.is_cuda:

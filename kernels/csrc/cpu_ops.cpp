@@ -10,6 +10,7 @@
 //                      panels of K pairs (AVX512-BF16 dot products; built only where the compiler targets
 //                      avx512_bf16, see has_bf16_linear)
 //   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers
+//   lora_add           every token's LoRA delta of one projection group, all slots in one call
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16).
@@ -434,6 +435,101 @@ void rope_store_kv(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, co
   }
 }
 
+// ---- lora_add -----------------------------------------------------------------------------------------
+// y[t, off_i : off_i + n_i] += scaling[s, i] * (x[t] . A_i[s]) @ B_i[s].T for s = token_slots[t] >= 0 and every
+// slice i with rank r = ranks[s, i] > 0; A_i[s] = lora_a[s, i*R : i*R + r] (r, H_in), B_i[s].T = b_t[s, :r,
+// off_i : off_i + n_i]. Shrunk activations and the delta stay in fp32; each y element is rounded once.
+template <typename T>
+void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+                   const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+                   const std::vector<int64_t>& sizes) {
+  const int64_t n_tok = x.size(0), h_in = x.size(1), n_out = y.size(1);
+  const int64_t num_slices = static_cast<int64_t>(sizes.size()), R = lora_a.size(1) / num_slices;
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const T* ap = lora_a.data_ptr<T>();
+  const T* bp = b_t.data_ptr<T>();
+  const int32_t* rp = ranks.data_ptr<int32_t>();
+  const float* sp = scaling.data_ptr<float>();
+  const int32_t* slots = token_slots.data_ptr<int32_t>();
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  std::vector<int64_t> offsets(static_cast<size_t>(num_slices), 0);
+  for (int64_t i = 1; i < num_slices; ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
+  at::parallel_for(0, n_tok, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(h_in)), delta(static_cast<size_t>(n_out));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0) continue;
+      const T* xr = xp + t * xs;
+#pragma omp simd
+      for (int64_t k = 0; k < h_in; ++k) xf[k] = to_f(xr[k]);
+      bool any = false;
+      for (int64_t i = 0; i < num_slices; ++i) {
+        const int64_t r = rp[s * num_slices + i];
+        if (r <= 0) continue;
+        const float scale = sp[s * num_slices + i];
+        const int64_t off = offsets[i], n = sizes[i];
+        if (!any) std::fill(delta.begin(), delta.end(), 0.f);
+        any = true;
+        for (int64_t j = 0; j < r; ++j) {
+          const T* a = ap + (s * num_slices * R + i * R + j) * h_in;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t k = 0; k < h_in; ++k) dot += xf[k] * to_f(a[k]);
+          const float coef = scale * dot;
+          const T* b = bp + (s * R + j) * n_out + off;
+          float* d = delta.data() + off;
+#pragma omp simd
+          for (int64_t c = 0; c < n; ++c) d[c] += coef * to_f(b[c]);
+        }
+      }
+      if (!any) continue;
+      T* yr = yp + t * ys;
+      for (int64_t i = 0; i < num_slices; ++i) {
+        if (rp[s * num_slices + i] <= 0) continue;
+        const int64_t off = offsets[i], n = sizes[i];
+        for (int64_t c = off; c < off + n; ++c) from_f(to_f(yr[c]) + delta[c], yr + c);
+      }
+    }
+  });
+}
+
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+              const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+              std::vector<int64_t> slice_sizes) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0),
+              "lora_add: x (T, H_in) and y (T, N) with contiguous rows");
+  const int64_t num_slices = static_cast<int64_t>(slice_sizes.size());
+  int64_t total = 0;
+  for (int64_t n : slice_sizes) total += n;
+  TORCH_CHECK(num_slices > 0 && total == y.size(1), "lora_add: slice sizes must add up to y's width");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.size(2) == x.size(1) &&
+                  lora_a.size(1) % num_slices == 0,
+              "lora_add: lora_a (S, slices * R, H_in) contiguous");
+  const int64_t S = lora_a.size(0), R = lora_a.size(1) / num_slices;
+  TORCH_CHECK(b_t.dim() == 3 && b_t.is_contiguous() && b_t.size(0) == S && b_t.size(1) == R && b_t.size(2) == total,
+              "lora_add: b_t (S, R, N) contiguous");
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.numel() == S * num_slices &&
+                  scaling.scalar_type() == at::kFloat && scaling.is_contiguous() && scaling.numel() == S * num_slices,
+              "lora_add: ranks int32 and scaling float32, (S, slices)");
+  TORCH_CHECK(token_slots.scalar_type() == at::kInt && token_slots.is_contiguous() && token_slots.numel() == x.size(0),
+              "lora_add: token_slots (T,) int32");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(y.scalar_type() == dt && lora_a.scalar_type() == dt && b_t.scalar_type() == dt,
+              "lora_add: x, y and the factors share one dtype");
+  const int32_t* rp = ranks.data_ptr<int32_t>();
+  for (int64_t i = 0; i < S * num_slices; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= R, "lora_add: rank past max rank");
+  const int32_t* sl = token_slots.data_ptr<int32_t>();
+  for (int64_t t = 0; t < x.size(0); ++t) TORCH_CHECK(sl[t] < S, "lora_add: token slot out of range");
+  if (dt == at::kFloat) {
+    lora_add_impl<float>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  } else if (dt == at::kBFloat16) {
+    lora_add_impl<bf16>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  } else {
+    TORCH_CHECK(false, "lora_add: dtypes float32 or bfloat16");
+  }
+}
+
 // ---- bf16_linear --------------------------------------------------------------------------------------
 // Packed weight: (N_pad / 16, K / 2, 16, 2) bf16, element [p, k2, j, t] = W[16 p + j, 2 k2 + t] (zero past N):
 // one 64-byte load is 16 output columns x 2 consecutive k, the operand layout of VDPBF16PS. A tile of MR
@@ -713,6 +809,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("has_bf16_linear() -> bool", &has_bf16_linear);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor b_t, Tensor ranks, Tensor scaling, "
+        "Tensor token_slots, int[] slice_sizes) -> ()");
   m.def("f32_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("has_f32_linear() -> bool", &has_f32_linear);
 }
@@ -724,5 +822,6 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("rope_store_kv", &rope_store_kv);
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("lora_add", &lora_add);
   m.impl("f32_linear", &f32_linear);
 }
