@@ -71,6 +71,22 @@ inline float fast_exp(float x) {
 constexpr int kMaxHeadDim = 512;
 constexpr int kMaxGroup = 16;
 
+// scores (G, n): each row's exp(score - its max) in place, and 1 / its sum.
+inline void softmax_numerators(float* __restrict scores, const float* mx, int64_t G, int64_t n, float* inv_sum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    const float m = mx[g];
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = fast_exp(sg[i] - m);
+      sg[i] = e;
+      t += e;
+    }
+    inv_sum[g] = 1.f / t;
+  }
+}
+
 // One (sequence, kv head): the G query heads that share the kv head attend keys [lo, len).
 template <typename KV>
 void decode_one(const float* __restrict q,  // (G, D), scaled
@@ -96,18 +112,7 @@ void decode_one(const float* __restrict q,  // (G, D), scaled
     }
   }
   float inv_sum[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
-    const float m = mx[g];
-    float t = 0.f;
-#pragma omp simd reduction(+ : t)
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = fast_exp(sg[i] - m);
-      sg[i] = e;
-      t += e;
-    }
-    inv_sum[g] = 1.f / t;
-  }
+  softmax_numerators(scores, mx, G, n, inv_sum);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = lo; j < len; ++j) {
     const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
@@ -158,18 +163,7 @@ void decode_one_avx512(const float* __restrict q, const KV* __restrict k_base, c
     }
   }
   float inv_sum[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
-    const float m = mx[g];
-    float t = 0.f;
-#pragma omp simd reduction(+ : t)
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = fast_exp(sg[i] - m);
-      sg[i] = e;
-      t += e;
-    }
-    inv_sum[g] = 1.f / t;
-  }
+  softmax_numerators(scores, mx, G, n, inv_sum);
   for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
   for (int64_t j = lo; j < len; ++j) {
     const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;

@@ -134,11 +134,18 @@ def test_rope_store_kv_equals_the_twin(ops, dtype):
     assert torch.equal(v_cache, ref_v)  # values are copied as they are
 
 
+def _need_panels(ops, dtype):
+    """The panel GEMMs are compiled only where the compiler targets AVX-512 (and AVX512-BF16 for bf16)."""
+    if not (ops.has_bf16_linear() if dtype == torch.bfloat16 else ops.has_f32_linear()):
+        pytest.skip(f"this CPU has no native {dtype} panel kernel (no AVX-512{' BF16' if dtype == torch.bfloat16 else ''})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [0, 1, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k"), [(96, 80), (72, 64), (600, 96)])
 def test_panel_linear_equals_f_linear(ops, dtype, m, n, k):
     """Every tile shape: rows 1..6 and their remainders, panel groups of 1..4, N not a multiple of 16."""
+    _need_panels(ops, dtype)
     g = torch.Generator().manual_seed(m + n)
     w, bias = (torch.randn(n, k, generator=g) / k**0.5).to(dtype), torch.randn(n, generator=g).to(dtype)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -156,6 +163,7 @@ def test_panel_linear_equals_f_linear(ops, dtype, m, n, k):
 
 
 def test_panel_linear_takes_strided_rows_and_leading_dims(ops):
+    _need_panels(ops, torch.float32)
     g = torch.Generator().manual_seed(9)
     w = torch.randn(48, 64, generator=g)
     packed = dense_cpu.pack(w)
@@ -172,6 +180,7 @@ def test_int8_panels_equal_the_dequantized_product(ops, m, n, k):
     """Streaming tiles (up to 6 rows) and the widened-to-bf16 path (more rows), with a bias."""
     from kernels.quant import dequantize, int8_rows, linear, place, quantize_int8
 
+    _need_panels(ops, torch.bfloat16)
     g = torch.Generator().manual_seed(m * n)
     q = quantize_int8(torch.randn(n, k, generator=g), torch.bfloat16)
     placed = place(q, "cpu")
