@@ -46,6 +46,20 @@ class KVCacheManager:
         req.block_ids = list(blocks)
         return len(blocks) * self.block_size
 
+    def prefix_pending_in(self, req: Request, cached: int, running: list[Request]) -> bool:
+        """Whether a request in `running` is still to compute the whole block of req's prompt that follows
+        its `cached` tokens, with the same tokens before it and the same namespace: req would reuse that
+        block from the cache if admitted once the other request's prefill has passed it."""
+        if self.prefix_cache is None:
+            return False
+        tokens = req.all_token_ids
+        end = cached + self.block_size
+        if end > (len(tokens) - 1) // self.block_size * self.block_size:  # not a block req could reuse
+            return False
+        namespace, head = _namespace(req), tokens[:end]
+        return any(other.num_computed_tokens < end <= other.num_prompt_tokens and _namespace(other) == namespace
+                   and other.all_token_ids[:end] == head for other in running)
+
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         total = req.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_ids))

@@ -39,6 +39,7 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_evicted_blocks: int
     prefix_cache_blocks: int
+    prefix_waits: int = 0  # admissions put off while a running request computed their prefix
     lora_slot_loads: int = 0  # adapters copied into a device slot
     lora_slot_evictions: int = 0  # resident adapters replaced to make room
     lora_host_loads: int = 0  # adapter directories read into host memory (first loads and reloads)
@@ -232,6 +233,7 @@ class LLMEngine:
             num_free_kv_blocks=kv.num_free_blocks,
             kv_usage=kv.usage(),
             num_preemptions=self.scheduler.stats.num_preemptions,
+            prefix_waits=self.scheduler.stats.num_prefix_waits,
             prefix_query_tokens=pc.stats.query_tokens if pc else 0,
             prefix_hit_tokens=pc.stats.hit_tokens if pc else 0,
             prefix_evicted_blocks=pc.stats.evicted_blocks if pc else 0,

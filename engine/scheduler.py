@@ -40,6 +40,7 @@ class _GateFault(Exception):
 class SchedulerStats:
     num_preemptions: int = 0
     num_steps: int = 0
+    num_prefix_waits: int = 0  # admissions put off a step because a running request computes their prefix
 
 
 class RequestQueue:
@@ -161,6 +162,12 @@ class Scheduler:
             if slot is None:
                 continue  # not ready (grammar compiling, adapter loading): others go ahead
             cached = self.kv.match_prefix(req)
+            if self.kv.prefix_pending_in(req, cached, self.running):
+                # Another running request is computing this prompt's next blocks: wait for them to reach
+                # the prefix cache instead of computing them twice (SGLang's in-batch prefix caching).
+                self.kv.free(req)
+                self.stats.num_prefix_waits += 1
+                continue
             req.num_computed_tokens = cached
             n = min(req.num_uncomputed_tokens, budget)
             if not self.kv.allocate_slots(req, n):

@@ -232,6 +232,7 @@ class WorkerState:
     waiting_adapters: list[str] = field(default_factory=list)  # ... of waiting requests
     adapter_residency: list[AdapterResidency] = field(default_factory=list)  # each adapter held in memory
     num_preemptions: int = 0  # requests preempted (KV ran out) since the worker started
+    prefix_waits: int = 0  # admissions put off a step while a running request computed their prompt prefix
     adapter_host_loads: int = 0  # adapter directories read into host memory since the worker started
     adapter_host_evictions: int = 0  # host-memory adapter entries dropped to stay within capacity
     faulted_steps: int = 0  # engine steps that raised and were re-run without the requests at fault

@@ -90,6 +90,9 @@ class WorkerMetricsCollector(Collector):
                        s.adapter_host_evictions)
         yield _counter("loraplex_worker_preemptions", "Requests preempted because the KV cache ran out.",
                        s.num_preemptions)
+        yield _counter("loraplex_worker_prefix_waits", "Admissions put off a step while a running request computed "
+                       "the prompt prefix they share (computed once, then read from the prefix cache).",
+                       s.prefix_waits)
         yield _counter("loraplex_worker_faulted_steps", "Engine steps that raised and were re-run without the "
                        "requests at fault.", s.faulted_steps)
         yield _counter("loraplex_worker_isolated_request_failures", "Requests failed alone by a fault attributed "

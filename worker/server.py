@@ -127,7 +127,7 @@ class WorkerService:
             model=self.model_name, adapter_loads=s.lora_slot_loads, adapter_evictions=s.lora_slot_evictions,
             weight_bytes=s.weight_bytes, block_size=s.block_size, max_loras=self.capabilities.max_loras,
             running_adapters=list(s.lora_running_adapters), waiting_adapters=list(s.lora_waiting_adapters),
-            adapter_residency=list(s.lora_residency), num_preemptions=s.num_preemptions,
+            adapter_residency=list(s.lora_residency), num_preemptions=s.num_preemptions, prefix_waits=s.prefix_waits,
             adapter_host_loads=s.lora_host_loads, adapter_host_evictions=s.lora_host_evictions,
             faulted_steps=s.faulted_steps, isolated_failures=s.isolated_failures,
             structured_checked=s.structured_checked, structured_guard_failures=s.structured_guard_failures,

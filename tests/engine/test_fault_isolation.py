@@ -196,7 +196,7 @@ def test_every_request_failing_alone_is_the_engines_fault(llama_dir, reference):
 def test_sub_plans_keep_kv_slots_and_reindex_rows():
     sched = Scheduler(_config(), num_blocks=32, max_model_len=256)
     for i, n in enumerate((5, 3, 9)):
-        sched.add_request(Request(f"r{i}", list(range(10, 10 + n)), SamplingParams(max_tokens=4)))
+        sched.add_request(Request(f"r{i}", list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=4)))
     plan = sched.schedule()
     part = sub_plan(plan, [plan.seqs[0], plan.seqs[2]])
     assert [s.req_id for s in part.seqs] == ["r0", "r2"]
@@ -205,7 +205,7 @@ def test_sub_plans_keep_kv_slots_and_reindex_rows():
     assert part.positions == plan.positions[:5] + plan.positions[8:]
     assert [(s.query_start, s.query_len) for s in part.seqs] == [(0, 5), (5, 9)]
     assert [r.token_index for r in part.sample_rows] == [4, 13]
-    assert [part.token_ids[r.token_index] for r in part.sample_rows] == [14, 18]
+    assert [part.token_ids[r.token_index] for r in part.sample_rows] == [4, 208]  # r0 and r2 last prompt tokens
 
 
 def test_a_gate_that_raises_fails_that_request_and_admits_the_rest():

@@ -82,8 +82,8 @@ def test_admission_gates_run_in_order_and_a_waiting_answer_stops_the_rest():
 
 def test_priority_then_arrival_order_and_max_num_seqs():
     s = make_scheduler(num_blocks=64, max_num_seqs=2)
-    for rid, prio, t in [("late-hi", 0, 3.0), ("early-lo", 5, 1.0), ("early-hi", 0, 2.0)]:
-        s.add_request(req(rid, priority=prio, arrival=t))
+    for i, (rid, prio, t) in enumerate([("late-hi", 0, 3.0), ("early-lo", 5, 1.0), ("early-hi", 0, 2.0)]):
+        s.add_request(req(rid, priority=prio, arrival=t, base=100 * i))  # distinct prompts: no prefix waits
     plan = s.schedule()
     assert [q.req_id for q in plan.seqs] == ["early-hi", "late-hi"]
 
@@ -202,3 +202,57 @@ def test_unservable_sequence_ends_cleanly(prefix):
     s.add_request(req("a", n_prompt=8, max_tokens=50))
     run(s, FakeRunner())
     assert s.kv.num_free_blocks + (s.kv.prefix_cache.num_blocks if s.kv.prefix_cache else 0) == 3
+
+
+def _prompt_tokens_computed(s: Scheduler, runner: FakeRunner) -> int:
+    total = 0
+    for _ in range(1000):
+        if not s.has_unfinished():
+            return total
+        plan = s.schedule()
+        total += sum(q.query_len for q in plan.seqs if q.query_len > 1)
+        s.update(plan, runner.execute(plan))
+        s.check_integrity()
+    raise AssertionError("did not finish")
+
+
+def test_requests_sharing_an_uncached_prefix_compute_it_once():
+    """Arriving together, the second request waits for the first's prefill to put the shared blocks in
+    the prefix cache rather than computing them too; a different namespace (another tenant's salt) and a
+    prefix shorter than a block are not held back."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    shared = list(range(100, 124))  # 6 blocks
+    a = Request("a", shared + [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    b = Request("b", shared + [3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    s.add_request(a)
+    s.add_request(b)
+    plan = s.schedule()
+    assert [q.req_id for q in plan.seqs] == ["a"] and s.stats.num_prefix_waits == 1
+    s.update(plan, FakeRunner().execute(plan))
+    plan = s.schedule()
+    assert ("b", 3) in [(q.req_id, q.query_len) for q in plan.seqs]  # only its own tokens: 24 came from the cache
+    s.update(plan, FakeRunner().execute(plan))
+    run(s, FakeRunner())
+    assert b.num_cached_tokens == 24
+
+    other = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    c = Request("c", shared + [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    d = Request("d", shared + [1, 2], SamplingParams(max_tokens=2, ignore_eos=True), cache_salt="another tenant")
+    e = Request("e", shared[:3] + [9], SamplingParams(max_tokens=2, ignore_eos=True))  # under one whole block
+    for r in (c, d, e):
+        other.add_request(r)
+    assert {q.req_id for q in other.schedule().seqs} == {"c", "d", "e"}
+    assert other.stats.num_prefix_waits == 0
+
+
+def test_held_back_requests_still_finish_with_chunked_prefill_and_preemption():
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=20)
+    runner = FakeRunner()
+    shared = list(range(200, 232))  # 8 blocks, computed over several chunks
+    reqs = [Request(f"r{i}", shared + [i, i + 1], SamplingParams(max_tokens=6, ignore_eos=True)) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
+    computed = _prompt_tokens_computed(s, runner)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert s.stats.num_prefix_waits > 0
+    assert computed < 5 * len(shared)  # the shared blocks were not computed by every request
