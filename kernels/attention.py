@@ -133,9 +133,12 @@ def paged_attention_ref(
 
 def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None,
-                       plan: StepAttentionPlan) -> torch.Tensor:
+                       plan: StepAttentionPlan, ops: Any = None) -> torch.Tensor:
     """The step's output: `decode_out` (the decode rows, computed by either path) placed at their rows,
-    and every prefill chunk (more than one query token) computed one sequence at a time."""
+    and every prefill chunk (more than one query token) computed one sequence at a time: by the native
+    kernel when `ops` has one for these shapes, else in torch."""
+    native = (ops is not None and ops.has_prefill_attention() and q.shape[2] in (64, 128)
+              and q.dtype == k_cache.dtype and k_cache.stride() == v_cache.stride())
     out = torch.empty_like(q)
     if decode_out is not None:
         out[plan.decode_rows] = decode_out
@@ -149,6 +152,11 @@ def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache
         seq_len = lens[i]
         n_blocks = (seq_len + block_size - 1) // block_size
         table = block_tables[i, :n_blocks]
+        if native:
+            out[starts[i] : starts[i + 1]] = ops.prefill_attention(
+                q[starts[i] : starts[i + 1]], k_cache, v_cache, table.to(torch.int32).contiguous(), seq_len, scale,
+                sliding_window or 0)
+            continue
         keys = k_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()  # (H_kv, S, D)
         values = v_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()
         out[starts[i] : starts[i + 1]] = _prefill_chunk(q[starts[i] : starts[i + 1]].float(), keys, values, scale,
@@ -161,9 +169,9 @@ def paged_attention_native(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
     plan: StepAttentionPlan | None = None,
 ) -> torch.Tensor:
-    """The CPU path with the native decode kernel (kernels/native_cpu.py): decode rows read the paged
-    cache in place, in fp32 throughout; prefill chunks as in the reference. Same semantics as the
-    reference (its decode rows round their probabilities to the cache dtype first, this one does not)."""
+    """The CPU path with the native kernels (kernels/native_cpu.py): decode rows read the paged cache in
+    place; prefill chunks run flash-style over it (blocks of 16 queries x 16 keys, online softmax), both
+    in fp32 throughout. Same semantics as the reference (which rounds bf16 probabilities first)."""
     if plan is None:
         plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window)
     decode_out = None
@@ -175,7 +183,7 @@ def paged_attention_native(
                                           plan.decode_ids, lens.contiguous(), scale, sliding_window or 0)
         if only_decode:
             return decode_out
-    return _with_prefill_rows(q, decode_out, k_cache, v_cache, block_tables, scale, sliding_window, plan)
+    return _with_prefill_rows(q, decode_out, k_cache, v_cache, block_tables, scale, sliding_window, plan, ops)
 
 
 PREFILL_QUERY_BLOCK = 128  # query rows per block of a prefill chunk's attention

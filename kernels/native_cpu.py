@@ -13,6 +13,10 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         attends keys max(0, len - window) .. len - 1 (all when window <= 0) read through block_tables[s]:
         out[b, h] = softmax_j(scale * q[b, h] . K[j, h // G]) @ V[j, h // G], fp32 accumulation, in
         q's dtype. Caches (num_blocks, block_size, H_kv, D) with any block/slot/head strides.
+    prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
+        Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
+        keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),
+        as decode_attention. AVX-512 builds only, head_dim 64 or 128 (has_prefill_attention).
     add_rms_norm(residual, delta, weight, eps) -> out
         Semantics: residual += delta (in place, rounded to residual's dtype; skipped when delta is None),
         then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).

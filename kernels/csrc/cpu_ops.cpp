@@ -3,6 +3,8 @@
 //
 //   decode_attention   paged attention of one query token per sequence, reading keys and values in
 //                      place through the block table (the torch path gathers them into a copy first)
+//   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 16 queries x
+//                      16 keys, online softmax, keys transposed once per block (AVX-512 only)
 //   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
 //   silu_mul           silu(x[:, :I]) * x[:, I:] of a fused gate/up projection
 //   rope_store_kv      rotate q and k in place (rotate-half RoPE), then write k and v into their cache slots
@@ -262,6 +264,178 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(false, "decode_attention: dtypes float32 or bfloat16");
   }
   return out;
+}
+
+// ---- prefill_attention ------------------------------------------------------------------------------------
+bool has_prefill_attention() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+// exp of 16 floats (x clamped to [-87, 88]; -inf gives ~0), 2^n * p(f) as in fast_exp, scaled by vscalefps.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180573e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503393e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int kPrefillRows = 16;  // queries per work item
+constexpr int kPrefillKeys = 16;  // keys per block (one zmm of scores)
+
+// Rows [i0, i1) of one kv head's G query heads: out = softmax(q K^T) V over keys lo(row) .. pos(row).
+template <typename Q, typename KV, int C>
+void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, const KV* k_base, const KV* v_base,
+                  int64_t block_stride, int64_t slot_stride, const int32_t* table, int64_t block_size, int64_t start,
+                  int64_t i0, int64_t i1, int64_t h, int64_t G, float scale, int64_t window) {
+  constexpr int D = 16 * C;
+  const int64_t rows = i1 - i0;
+  alignas(64) float qf[kMaxGroup][kPrefillRows][D];
+  alignas(64) float acc[kMaxGroup][kPrefillRows][D];
+  float m[kMaxGroup][kPrefillRows], l[kMaxGroup][kPrefillRows];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = rows; r < kPrefillRows; ++r)
+      for (int d = 0; d < D; ++d) qf[g][r][d] = 0.f;  // read (and ignored) by the last 4-row tile
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < rows; ++r) {
+      const Q* src = qp + (i0 + r) * qs0 + (h * G + g) * qs1;
+      for (int d = 0; d < D; ++d) qf[g][r][d] = to_f(src[d]) * scale;
+      for (int d = 0; d < D; ++d) acc[g][r][d] = 0.f;
+      m[g][r] = -std::numeric_limits<float>::infinity();
+      l[g][r] = 0.f;
+    }
+  const int64_t last = start + i1 - 1;  // the block's last query position: keys up to it
+  const int64_t first_lo = window > 0 ? std::max<int64_t>(0, start + i0 - window + 1) : 0;
+  alignas(64) float kt[D][kPrefillKeys];
+  alignas(64) float vf[kPrefillKeys][D];
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  (void)i1;
+  for (int64_t j0 = first_lo; j0 <= last; j0 += kPrefillKeys) {
+    const int64_t nk = std::min<int64_t>(kPrefillKeys, last + 1 - j0);
+    for (int64_t j = 0; j < kPrefillKeys; ++j) {
+      if (j < nk) {
+        const int64_t pos = j0 + j;
+        const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+        for (int d = 0; d < D; ++d) kt[d][j] = to_f(k_base[slot + d]);
+        for (int d = 0; d < D; ++d) vf[j][d] = to_f(v_base[slot + d]);
+      } else {
+        for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
+        for (int d = 0; d < D; ++d) vf[j][d] = 0.f;
+      }
+    }
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)), lane);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: 4 independent FMA chains per score
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      if (j0 > start + i0 + r0 + nr - 1) continue;  // every key of the block is in these rows' future
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 sc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int d = 0; d < D; ++d) {
+          const __m512 kd = _mm512_load_ps(kt[d]);
+          for (int u = 0; u < 4; ++u) sc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][r0 + u][d]), kd, sc[u]);
+        }
+        for (int64_t u = 0; u < nr; ++u) {
+          const int64_t r = r0 + u, pos = start + i0 + r;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          if (j0 > pos || j0 + kPrefillKeys <= lo) continue;  // no key of the block is visible to this row
+          __mmask16 valid = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(pos)));
+          valid &= _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(lo)));
+          const __m512 s_row = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sc[u]);
+          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(s_row));
+          const float corr = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
+          const __m512 pr = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s_row, _mm512_set1_ps(m_new))));
+          l[g][r] = l[g][r] * corr + _mm512_reduce_add_ps(pr);
+          m[g][r] = m_new;
+          alignas(64) float pj[kPrefillKeys];
+          _mm512_store_ps(pj, pr);
+          __m512 a[C];
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[g][r] + 16 * c), cv);
+          for (int64_t j = 0; j < nk; ++j) {
+            const __m512 pv = _mm512_set1_ps(pj[j]);
+            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_load_ps(vf[j] + 16 * c), a[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g][r] + 16 * c, a[c]);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = l[g][r] > 0.f ? 1.f / l[g][r] : 0.f;
+      Q* dst = op + (i0 + r) * Hq * D + (h * G + g) * D;
+      for (int d = 0; d < D; ++d) from_f(acc[g][r][d] * inv, dst + d);
+    }
+}
+
+template <typename Q, typename KV>
+void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& table, int64_t seq_len, double scale, int64_t window, at::Tensor& out) {
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), G = Hq / Hkv;
+  const int64_t start = seq_len - n, items_per_head = (n + kPrefillRows - 1) / kPrefillRows;
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, Hkv * items_per_head, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      // causal rows cost more the later they are: alternate early and late row blocks, so the contiguous
+      // ranges parallel_for hands each thread hold about the same work
+      const int64_t h = item % Hkv, t = item / Hkv;
+      const int64_t blk = t % 2 == 0 ? t / 2 : items_per_head - 1 - t / 2;
+      const int64_t i0 = blk * kPrefillRows, i1 = std::min<int64_t>(n, i0 + kPrefillRows);
+      if (D == 64) {
+        prefill_item<Q, KV, 4>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
+                               start, i0, i1, h, G, sc, window);
+      } else {
+        prefill_item<Q, KV, 8>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
+                               start, i0, i1, h, G, sc, window);
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& table, int64_t seq_len, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  k_cache.strides() == v_cache.strides(),
+              "prefill_attention: q (n, Hq, D), caches (blocks, block_size, Hkv, D) with equal strides");
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK((D == 64 || D == 128) && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "prefill_attention: head_dim 64 or 128");
+  TORCH_CHECK(n >= 1 && seq_len >= n, "prefill_attention: seq_len counts the chunk's own tokens");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous() &&
+                  table.numel() * k_cache.size(1) >= seq_len,
+              "prefill_attention: the block table (int32) must cover seq_len");
+  at::Tensor out = at::empty({n, Hq, D}, q.options());
+#if defined(__AVX512F__)
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kt, "prefill_attention: k and v caches differ in dtype");
+  if (qt == at::kFloat && kt == at::kFloat) {
+    prefill_attention_impl<float, float>(q, k_cache, v_cache, table, seq_len, scale, window, out);
+  } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
+    prefill_attention_impl<bf16, bf16>(q, k_cache, v_cache, table, seq_len, scale, window, out);
+  } else {
+    TORCH_CHECK(false, "prefill_attention: q and caches both float32 or both bfloat16");
+  }
+  return out;
+#else
+  (void)n; TORCH_CHECK(false, "prefill_attention: this build has no AVX-512 (see has_prefill_attention)");
+#endif
 }
 
 // ---- add_rms_norm: residual (+)= delta in place; returns weight * rmsnorm(residual) ----------------------
@@ -796,6 +970,9 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_ids, "
         "Tensor seq_lens, float scale, int window) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int seq_len, float scale, "
+        "int window) -> Tensor");
+  m.def("has_prefill_attention() -> bool", &has_prefill_attention);
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("rope_store_kv(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, int num_q_heads, Tensor(b!) k_cache, "
@@ -811,6 +988,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_store_kv", &rope_store_kv);

@@ -195,3 +195,21 @@ def test_int8_panels_equal_the_dequantized_product(ops, m, n, k):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert isinstance(place(placed, "cpu").qweight, torch.Tensor)  # placing again keeps the values
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "window", "head_dim", "group"), [
+    ([33, 1, 20], [33, 40, 100], None, 64, 3),  # fresh prompt, a decode row, a chunk over cached context
+    ([50, 17], [90, 17], 9, 128, 4),
+    ([16, 64], [16, 200], 1, 64, 1),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_matches_the_naive_reference(ops, paged_batch, dense_attention, query_lens, seq_lens,
+                                                       window, head_dim, group, dtype):
+    if not ops.has_prefill_attention():
+        pytest.skip("no AVX-512 here: prefill chunks run in torch")
+    batch = paged_batch(query_lens, seq_lens, block_size=16, num_kv_heads=2, group=group, head_dim=head_dim,
+                        dtype=dtype, seed=sum(seq_lens))
+    scale = head_dim**-0.5
+    got = paged_attention(*batch.args(), scale, window)  # the native path: prefill chunks and decode rows
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), dense_attention(batch, scale, window), atol=tol, rtol=tol)
