@@ -70,17 +70,25 @@ def test_an_unattributable_fault_ends_every_stream_then_the_worker_exits(llama_d
             except httpx.HTTPError:
                 time.sleep(0.2)
         last_lines: dict[str, dict] = {}
+        a_streams = threading.Event()
 
         def generate(rid: str) -> None:
-            request = GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(max_tokens=60, temperature=0.0,
+            request = GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(max_tokens=400, temperature=0.0,
                                                                          ignore_eos=True))
+            lines = []
             with httpx.stream("POST", url + "/generate", headers=headers, json=request.to_json(), timeout=60) as r:
-                lines = [json.loads(line) for line in r.iter_lines() if line]
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(json.loads(line))
+                        a_streams.set()
             last_lines[rid] = lines[-1]
 
+        # b starts once a is decoding (a has hundreds of tokens to go), so the two meet in one batch
+        # whatever the speed of a step: the fault needs a batch of two
         threads = [threading.Thread(target=generate, args=(rid,)) for rid in ("a", "b")]
-        for t in threads:
-            t.start()
+        threads[0].start()
+        assert a_streams.wait(60)
+        threads[1].start()
         for t in threads:
             t.join(90)
         for rid in ("a", "b"):
