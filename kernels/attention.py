@@ -235,8 +235,8 @@ def paged_attention(
     plan: StepAttentionPlan | None = None,
     decode_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch: Triton kernels on CUDA; on the CPU the native decode kernel where it is built
-    (kernels/native_cpu.py), the torch reference elsewhere. Same semantics as the reference.
+    """Dispatch: Triton kernels on CUDA; on the CPU the native decode and prefill kernels where they are
+    built (kernels/native_cpu.py), the torch reference elsewhere. Same semantics as the reference.
 
     `plan` is the torch path's per-step precomputation (see StepAttentionPlan); Triton ignores it.
     `decode_seqs`: every sequence's index when all of them have one query token (Triton then reads no

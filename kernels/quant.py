@@ -47,10 +47,6 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return dense_cpu.linear(x, w, bias)
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    if isinstance(w, Int8Weight) and w.layout == "panels":  # CPU only, bf16 scales (place)
-        if x.dtype != w.scales.dtype:
-            raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {w.scales.dtype}")
-        return dense_cpu.int8_linear(x, w.qweight, w.scales, bias)
     if x.dtype != _scales(w).dtype:
         raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {_scales(w).dtype}")
     if x.is_cuda:
@@ -139,8 +135,9 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 def place(w: Weight, device: torch.device | str) -> Weight:
     """w on `device` in the layout its kernels read: a dense CPU weight is prepacked (kernels.dense_cpu: the
-    native panels, or oneDNN's layout); int8 goes to int8 panels where the native bf16 kernel runs; int4 goes to torch's CPU layout where that kernel exists and N is a
-    multiple of 16 (else it stays in nibbles and is dequantized per call)."""
+    native panels, or oneDNN's layout); int8 with bf16 scales goes to int8 panels where the native bf16
+    kernel runs; int4 goes to torch's CPU layout where that kernel exists and N is a multiple of 16 (else
+    it stays in nibbles and is dequantized per call)."""
     device = torch.device(device)
     if isinstance(w, PackedDense):
         w = dense_cpu.unpack(w)
