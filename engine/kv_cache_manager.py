@@ -46,19 +46,25 @@ class KVCacheManager:
         req.block_ids = list(blocks)
         return len(blocks) * self.block_size
 
-    def prefix_pending_in(self, req: Request, cached: int, running: list[Request]) -> bool:
-        """Whether a request in `running` is still to compute the whole block of req's prompt that follows
-        its `cached` tokens, with the same tokens before it and the same namespace: req would reuse that
-        block from the cache if admitted once the other request's prefill has passed it."""
+    def prefix_pending_in(self, req: Request, running: list[Request]) -> bool:
+        """Whether a request in `running` (same namespace) is still to compute a whole prompt block that
+        req's prompt shares with it, tokens before it included, and that req could reuse: admitted once
+        that block is in the tree, req computes only what is its own. Looks at the tree not at all (no
+        lock, no hit counting), so a request that waits many steps costs a few list compares a step."""
         if self.prefix_cache is None:
             return False
-        tokens = req.all_token_ids
-        end = cached + self.block_size
-        if end > (len(tokens) - 1) // self.block_size * self.block_size:  # not a block req could reuse
-            return False
-        namespace, head = _namespace(req), tokens[:end]
-        return any(other.num_computed_tokens < end <= other.num_prompt_tokens and _namespace(other) == namespace
-                   and other.all_token_ids[:end] == head for other in running)
+        bs, tokens = self.block_size, req.all_token_ids
+        limit = (len(tokens) - 1) // bs * bs  # what match_prefix could reuse: whole blocks, never the last token
+        namespace = None
+        for other in running:
+            prompt = other.prompt_token_ids
+            nxt = other.num_computed_tokens // bs * bs + bs  # end of the first block other has not finished
+            if nxt > min(limit, len(prompt)) or prompt[nxt - bs : nxt] != tokens[nxt - bs : nxt]:
+                continue
+            namespace = namespace or _namespace(req)
+            if _namespace(other) == namespace and prompt[: nxt - bs] == tokens[: nxt - bs]:
+                return True
+        return False
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         total = req.num_computed_tokens + num_new_tokens

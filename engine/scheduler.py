@@ -161,13 +161,12 @@ class Scheduler:
                 continue
             if slot is None:
                 continue  # not ready (grammar compiling, adapter loading): others go ahead
-            cached = self.kv.match_prefix(req)
-            if self.kv.prefix_pending_in(req, cached, self.running):
-                # Another running request is computing this prompt's next blocks: wait for them to reach
-                # the prefix cache instead of computing them twice (SGLang's in-batch prefix caching).
-                self.kv.free(req)
+            if self.kv.prefix_pending_in(req, self.running):
+                # Another running request is computing blocks of this prompt: wait for them to reach the
+                # prefix cache instead of computing them twice (SGLang's in-batch prefix caching).
                 self.stats.num_prefix_waits += 1
                 continue
+            cached = self.kv.match_prefix(req)
             req.num_computed_tokens = cached
             n = min(req.num_uncomputed_tokens, budget)
             if not self.kv.allocate_slots(req, n):

@@ -6,7 +6,7 @@
 
 At batch 1 each of these is several torch dispatches of a few microseconds over a few kilobytes; fused
 they are one (kernels/native_cpu.py). Both forms compute the same thing in the same dtypes; the native
-one sums the RMS in another order (fp32, ~1e-7 relative).
+one sums the RMS in another order (a one-off check on (32, 576): fp32 at most 3.4e-7 relative, bf16 equal).
 """
 
 from __future__ import annotations
