@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -140,46 +141,152 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// decode_one for head_dim = 16 * C, in AVX-512 registers: each key's C chunks are loaded once and
-// dotted with the G query heads (one horizontal sum per key and head), each value's chunks scaled into
-// G * C accumulators held in memory (L1).
-template <typename KV, int C>
-void decode_one_avx512(const float* __restrict q, const KV* __restrict k_base, const KV* __restrict v_base,
-                       int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
-                       int64_t lo, int64_t len, int64_t G, float* __restrict scores, float* __restrict acc) {
-  constexpr int D = 16 * C;
-  const int64_t n = len - lo;
-  float mx[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = lo; j < len; ++j) {
-    const KV* k = k_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
-    __m512 kc[C];
-    for (int c = 0; c < C; ++c) kc[c] = load16(k + 16 * c);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], a);
-      const float sc = _mm512_reduce_add_ps(a);
-      scores[g * n + (j - lo)] = sc;
-      mx[g] = std::max(mx[g], sc);
-    }
+// Sum of each of 16 vectors, lane u = sum of s[u]'s lanes (a transpose-and-add tree: 15 vector adds
+// for 16 sums where _mm512_reduce_add_ps costs four shuffle-adds per sum).
+inline __m512 hsum16(const __m512* s) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: that lane's partial sum of keys 4i .. 4i+3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  float inv_sum[kMaxGroup];
-  softmax_numerators(scores, mx, G, n, inv_sum);
-  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
-  for (int64_t j = lo; j < len; ++j) {
-    const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
+  // add the four 128-bit lanes of each b[i], leaving b[i]'s sums in lane i
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// Cache slot of position `pos` onwards along a block table, one step at a time (no division per key).
+struct SlotWalker {
+  const int32_t* table;
+  int64_t block_size, block_stride, slot_stride, block, offset;
+  SlotWalker(const int32_t* t, int64_t bs, int64_t bstride, int64_t sstride, int64_t pos)
+      : table(t), block_size(bs), block_stride(bstride), slot_stride(sstride), block(pos / bs), offset(pos % bs) {}
+  int64_t next() {  // this position's element offset, then step to the next position
+    const int64_t at = table[block] * block_stride + offset * slot_stride;
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+    return at;
+  }
+};
+
+// out(NG, D) = (sum_j p[g, j] V[j]) * inv_sum[g] for NG query heads, NG * C accumulators in registers.
+template <typename KV, int C, int NG>
+void decode_values(const float* __restrict p, int64_t n, const KV* __restrict v_base, SlotWalker slots,
+                   const float* inv_sum, float* __restrict out) {
+  __m512 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* v = v_base + slots.next();
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + (j - lo)]);
-      float* ag = acc + g * D;
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(p, vc[c], _mm512_loadu_ps(ag + 16 * c)));
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vc[c], a[g][c]);
     }
   }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * 16 * C + 16 * c, _mm512_mul_ps(a[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+// The scores of 16 keys (rows[u], fp32, D = 16 C) for each of G query heads (q (G, D) fp32): q . k * scale.
+template <int C>
+inline void score16_f32(const float* __restrict q, const float* const* rows, int64_t G, float scale, __mmask16 valid,
+                        float* __restrict scores, int64_t n, __m512* mxv) {
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + g * D + 16 * c)));
+    __m512 qc[C];
+    for (int c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + g * 16 * C + 16 * c);
+    __m512 s[16];
+    for (int u = 0; u < 16; ++u) {
+      s[u] = _mm512_mul_ps(qc[0], _mm512_loadu_ps(rows[u]));
+      for (int c = 1; c < C; ++c) s[u] = _mm512_fmadd_ps(qc[c], _mm512_loadu_ps(rows[u] + 16 * c), s[u]);
+    }
+    const __m512 sc = _mm512_mul_ps(hsum16(s), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + g * n, valid, sc);
+    mxv[g] = _mm512_mask_max_ps(mxv[g], valid, mxv[g], sc);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same for bf16 keys and bf16 queries (qb: (G, D) bf16): VDPBF16PS multiplies pairs of bf16 exactly and
+// sums in fp32, so the keys are read as they are stored, never widened.
+template <int C>
+inline void score16_bf16(const bf16* __restrict qb, const bf16* const* rows, int64_t G, float scale, __mmask16 valid,
+                         float* __restrict scores, int64_t n, __m512* mxv) {
+  constexpr int P = C / 2;  // zmm of 32 bf16 per head_dim
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i qc[P];
+    for (int c = 0; c < P; ++c) qc[c] = _mm512_loadu_si512(qb + g * 16 * C + 32 * c);
+    __m512 s[16];
+    for (int u = 0; u < 16; ++u) {
+      s[u] = _mm512_setzero_ps();
+      for (int c = 0; c < P; ++c)
+        s[u] = _mm512_dpbf16_ps(s[u], (__m512bh)qc[c], (__m512bh)_mm512_loadu_si512(rows[u] + 32 * c));
+    }
+    const __m512 sc = _mm512_mul_ps(hsum16(s), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + g * n, valid, sc);
+    mxv[g] = _mm512_mask_max_ps(mxv[g], valid, mxv[g], sc);
+  }
+}
+#endif
+
+// decode_one for head_dim = 16 * C, in AVX-512 registers. Scores 16 keys at a time: each query head's 16
+// dot products are summed by one hsum16 tree into a vector of 16 scores (bf16 keys with bf16 queries by
+// bf16 dot products where the CPU has them, `qb`; otherwise widened once to fp32 and shared by the G
+// heads). Values: the query heads in chunks whose accumulators fit in registers (16 / C heads), each chunk
+// one pass over the values. q: (G, D) fp32, unscaled.
+template <typename KV, int C>
+void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __restrict k_base,
+                       const KV* __restrict v_base, int64_t block_stride, int64_t slot_stride,
+                       const int32_t* __restrict table, int64_t block_size, int64_t lo, int64_t len, int64_t G,
+                       float scale, float* __restrict scores, float* __restrict acc) {
+  constexpr int D = 16 * C;
+  const int64_t n = len - lo;
+  alignas(64) static const KV zeros[D] = {};
+  alignas(64) float kf[16][D];  // bf16 keys widened once (no bf16 dot products)
+  __m512 mxv[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  SlotWalker keys(table, block_size, block_stride, slot_stride, lo);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
+    const __mmask16 valid = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
+    const KV* rows[16];
+    for (int u = 0; u < 16; ++u) rows[u] = u < nk ? k_base + keys.next() : zeros;
+    if constexpr (std::is_same_v<KV, float>) {
+      score16_f32<C>(q, rows, G, scale, valid, scores + j0, n, mxv);
+    } else {
+#if defined(__AVX512BF16__)
+      if (qb != nullptr) {
+        score16_bf16<C>(qb, rows, G, scale, valid, scores + j0, n, mxv);
+        continue;
+      }
+#endif
+      const float* frows[16];
+      for (int u = 0; u < 16; ++u) {
+        for (int c = 0; c < C; ++c) _mm512_store_ps(kf[u] + 16 * c, load16(rows[u] + 16 * c));
+        frows[u] = kf[u];
+      }
+      score16_f32<C>(q, frows, G, scale, valid, scores + j0, n, mxv);
+    }
+  }
+  float mx[kMaxGroup], inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(mxv[g]);
+  softmax_numerators(scores, mx, G, n, inv_sum);
+  constexpr int NG = 16 / C;  // query heads per pass over the values
+  for (int64_t g0 = 0; g0 < G; g0 += NG) {
+    const SlotWalker values(table, block_size, block_stride, slot_stride, lo);
+    const float* p = scores + g0 * n;
+    float* out = acc + g0 * D;
+    switch (std::min<int64_t>(NG, G - g0)) {
+      case 1: decode_values<KV, C, 1>(p, n, v_base, values, inv_sum + g0, out); break;
+      case 2: decode_values<KV, C, 2>(p, n, v_base, values, inv_sum + g0, out); break;
+      case 3: if constexpr (NG >= 3) decode_values<KV, C, 3>(p, n, v_base, values, inv_sum + g0, out); break;
+      default: if constexpr (NG >= 4) decode_values<KV, C, 4>(p, n, v_base, values, inv_sum + g0, out); break;
+    }
   }
 }
 #endif
@@ -205,6 +312,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     float qf[kMaxGroup * kMaxHeadDim];
+    alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];
     float acc[kMaxGroup * kMaxHeadDim];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv, s = ids[b];
@@ -215,20 +323,30 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         continue;
       }
       scores.resize(static_cast<size_t>(G * (len - lo)));
-      const Q* qb = qp + b * q.stride(0) + h * G * q.stride(1);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qb[g * q.stride(1) + d]) * sc;
+      const Q* qsrc = qp + b * q.stride(0) + h * G * q.stride(1);
       const KV* kh_base = kp + h * kh;
       const KV* vh_base = vp + h * kh;
       const int32_t* table = tables + s * table_stride;
 #if defined(__AVX512F__)
-      if (D == 64) {
-        decode_one_avx512<KV, 4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, scores.data(), acc);
-      } else if (D == 128) {
-        decode_one_avx512<KV, 8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, scores.data(), acc);
+      if (D == 64 || D == 128) {
+        // bf16 dot products for the scores when q and the keys are both bf16 (q copied as it is)
+        const bf16* qbf = nullptr;
+        if constexpr (std::is_same_v<Q, bf16> && std::is_same_v<KV, bf16>) {
+          for (int64_t g = 0; g < G; ++g) std::memcpy(qh + g * D, qsrc + g * q.stride(1), D * sizeof(bf16));
+          qbf = qh;
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+        if (D == 64) {
+          decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(), acc);
+        } else {
+          decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(), acc);
+        }
       } else
 #endif
       {
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]) * sc;
         decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
       }
       Q* ob = op + b * Hq * D + h * G * D;
@@ -662,6 +780,153 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16m(const bf16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16m(bf16* p, __m512 v, __mmask16 m) {  // round to nearest even, NaN stays NaN, as torch
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1); }
+
+// out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
+// 4 rows, 16-lane partial sums in registers, one hsum16 per tile.
+template <typename T, int M>
+void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, float scale, float* out,
+                      int64_t out_stride) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < r; j0 += 4) {
+    const T* ar[4];
+    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    for (int64_t k = 0; k < h_in; k += 16) {
+      const __mmask16 lanes = first_lanes(h_in - k);
+      __m512 av[4];
+      for (int jj = 0; jj < 4; ++jj) av[jj] = load16m(ar[jj] + k, lanes);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = load16m(xr[m] + k, lanes);
+        for (int jj = 0; jj < 4; ++jj) acc[m * 4 + jj] = _mm512_fmadd_ps(xv, av[jj], acc[m * 4 + jj]);
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
+  }
+}
+
+// y_m[c] += sum_j u[m, j] * bt[j, c] for M tokens, c < n (bt rows strided by bt_stride): 4 chunks of 16
+// columns x M tokens of accumulators, each y element read and rounded once.
+template <typename T, int M>
+void lora_expand_tile(T* const* yr, const float* u, int64_t u_stride, const T* bt, int64_t bt_stride, int64_t r,
+                      int64_t n) {
+  for (int64_t c0 = 0; c0 < n; c0 += 64) {
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int cc = 0; cc < 4; ++cc) acc[m][cc] = _mm512_setzero_ps();
+    __mmask16 lanes[4];
+    for (int cc = 0; cc < 4; ++cc) lanes[cc] = c0 + 16 * cc < n ? first_lanes(n - c0 - 16 * cc) : 0;
+    for (int64_t j = 0; j < r; ++j) {
+      const T* b = bt + j * bt_stride + c0;
+      __m512 bv[4];
+      for (int cc = 0; cc < 4; ++cc) bv[cc] = load16m(b + 16 * cc, lanes[cc]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 um = _mm512_set1_ps(u[m * u_stride + j]);
+        for (int cc = 0; cc < 4; ++cc) acc[m][cc] = _mm512_fmadd_ps(um, bv[cc], acc[m][cc]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int cc = 0; cc < 4; ++cc) {
+        if (lanes[cc] == 0) continue;
+        T* yc = yr[m] + c0 + 16 * cc;
+        store16m(yc, _mm512_add_ps(load16m(yc, lanes[cc]), acc[m][cc]), lanes[cc]);
+      }
+  }
+}
+
+// Up to 4 tokens of one slot: shrink every slice into u (M, slices * R), then expand each slice into y.
+template <typename T, int M>
+void lora_tokens(const T* const* xr, T* const* yr, int64_t s, const T* ap, const T* bp, const int32_t* rp,
+                 const float* sp, int64_t num_slices, int64_t R, int64_t h_in, int64_t n_out, const int64_t* offsets,
+                 const int64_t* sizes, float* u) {
+  const int64_t us = num_slices * R;
+  for (int64_t i = 0; i < num_slices; ++i) {
+    const int64_t r = rp[s * num_slices + i];
+    if (r > 0)
+      lora_shrink_tile<T, M>(xr, ap + (s * num_slices * R + i * R) * h_in, r, h_in, sp[s * num_slices + i], u + i * R, us);
+  }
+  for (int64_t i = 0; i < num_slices; ++i) {
+    const int64_t r = rp[s * num_slices + i];
+    if (r <= 0) continue;
+    T* yo[M];
+    for (int m = 0; m < M; ++m) yo[m] = yr[m] + offsets[i];
+    lora_expand_tile<T, M>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
+  }
+}
+
+// lora_add with the tokens grouped by slot (in their order within a slot) into tiles of up to 4, so each
+// tile reads its slot's A and B once; tiles are the parallel items.
+template <typename T>
+void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+                     const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+                     const std::vector<int64_t>& sizes) {
+  const int64_t n_tok = x.size(0), h_in = x.size(1), n_out = y.size(1), S = lora_a.size(0);
+  const int64_t num_slices = static_cast<int64_t>(sizes.size()), R = lora_a.size(1) / num_slices;
+  const int32_t* slots = token_slots.data_ptr<int32_t>();
+  std::vector<int64_t> offsets(static_cast<size_t>(num_slices), 0);
+  for (int64_t i = 1; i < num_slices; ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
+  // counting sort of the adapted tokens by slot, then tiles of <= 4 tokens that never straddle two slots
+  std::vector<int64_t> count(static_cast<size_t>(S + 1), 0), order;
+  for (int64_t t = 0; t < n_tok; ++t)
+    if (slots[t] >= 0) ++count[slots[t] + 1];
+  for (int64_t s = 0; s < S; ++s) count[s + 1] += count[s];
+  order.resize(static_cast<size_t>(count[S]));
+  std::vector<int64_t> fill(count.begin(), count.end() - 1);
+  for (int64_t t = 0; t < n_tok; ++t)
+    if (slots[t] >= 0) order[fill[slots[t]]++] = t;
+  std::vector<int64_t> tiles;  // start index into order; a tile runs to min(start + 4, its slot's end)
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = count[s]; i < count[s + 1]; i += 4) tiles.push_back(i);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const T* ap = lora_a.data_ptr<T>();
+  const T* bp = b_t.data_ptr<T>();
+  const int32_t* rp = ranks.data_ptr<int32_t>();
+  const float* sp = scaling.data_ptr<float>();
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> u(static_cast<size_t>(4 * num_slices * R));
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t i0 = tiles[it], s = slots[order[i0]];
+      const int M = static_cast<int>(std::min<int64_t>(4, count[s + 1] - i0));
+      const T* xr[4];
+      T* yr[4];
+      for (int m = 0; m < M; ++m) {
+        xr[m] = xp + order[i0 + m] * xs;
+        yr[m] = yp + order[i0 + m] * ys;
+      }
+#define LORAPLEX_LORA_TOKENS(MM) \
+  lora_tokens<T, MM>(xr, yr, s, ap, bp, rp, sp, num_slices, R, h_in, n_out, offsets.data(), sizes.data(), u.data())
+      switch (M) {
+        case 1: LORAPLEX_LORA_TOKENS(1); break;
+        case 2: LORAPLEX_LORA_TOKENS(2); break;
+        case 3: LORAPLEX_LORA_TOKENS(3); break;
+        default: LORAPLEX_LORA_TOKENS(4); break;
+      }
+#undef LORAPLEX_LORA_TOKENS
+    }
+  });
+}
+#endif
+
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
               const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
               std::vector<int64_t> slice_sizes) {
@@ -689,10 +954,17 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const
   for (int64_t i = 0; i < S * num_slices; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= R, "lora_add: rank past max rank");
   const int32_t* sl = token_slots.data_ptr<int32_t>();
   for (int64_t t = 0; t < x.size(0); ++t) TORCH_CHECK(sl[t] < S, "lora_add: token slot out of range");
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (dt == at::kFloat) {
+    lora_add_avx512<float>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  } else if (dt == at::kBFloat16) {
+    lora_add_avx512<bf16>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+#else
   if (dt == at::kFloat) {
     lora_add_impl<float>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
   } else if (dt == at::kBFloat16) {
     lora_add_impl<bf16>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+#endif
   } else {
     TORCH_CHECK(false, "lora_add: dtypes float32 or bfloat16");
   }

@@ -42,7 +42,8 @@ def _decode_batch(paged_batch, lens, *, block_size, num_kv_heads, group, head_di
 
 @pytest.mark.parametrize(
     ("block_size", "num_kv_heads", "group", "head_dim", "window"),
-    [(16, 3, 3, 64, None), (8, 2, 4, 128, None), (4, 1, 1, 32, None), (16, 2, 2, 64, 9), (4, 2, 8, 80, 1)],
+    [(16, 3, 3, 64, None), (8, 2, 4, 128, None), (4, 1, 1, 32, None), (16, 2, 2, 64, 9), (4, 2, 8, 80, 1),
+     (16, 1, 5, 64, None), (16, 2, 3, 128, 40)],  # query heads in register chunks of 4 (D 64) / 2 (D 128) + a rest
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_major", [False, True])
