@@ -11,14 +11,14 @@ Every projection (and an untied lm_head) is a dense tensor or a weight-only quan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
-from kernels import dense_cpu
+from kernels import dense_cpu, native_cpu
 from kernels.attention import StepAttentionPlan, paged_attention, write_kv
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, silu_mul
 from kernels.quant import Int4Weight, Int8Weight, Weight, concat, dequantize, linear, nbytes, place
@@ -59,6 +59,10 @@ class _Layer:
     gate_up: Weight  # (2 I, H) fused gate/up projection
     down: Weight  # (H, I)
 
+    # the native decode_layer op's weight arguments (kernels/csrc/cpu_ops.cpp), when every projection is in
+    # native panels; None: the layer always runs op by op
+    decode_args: tuple[Any, ...] | None = None
+
     def weights(self) -> list[Weight]:
         return [w for w in (self.input_norm, self.post_norm, self.qkv, self.qkv_bias, self.o, self.q_norm,
                             self.k_norm, self.gate_up, self.down) if w is not None]
@@ -79,6 +83,27 @@ def _fuse(parts: list[Weight]) -> Weight:
     if len(quantized) != len(parts):
         raise ValueError("a fused projection mixes quantized and dense weights")
     return concat(quantized)
+
+
+def _decode_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """decode_layer's weight arguments for `layer`, or None unless all four projections are native panels
+    (dense in the activation dtype, or int8 panels) and its norms share that dtype."""
+    args: list[Any] = []
+    widths: list[int] = []
+    for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
+        if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels" and w.dtype == dtype:
+            args += [w.packed, None]
+            widths.append(w.shape[0])
+        elif isinstance(w, Int8Weight) and w.layout == "panels" and w.scales.dtype == dtype:
+            args += [w.qweight, w.scales]
+            widths.append(w.shape[0])
+        else:
+            return None
+        if name == "qkv":
+            args.append(None if layer.qkv_bias is None else layer.qkv_bias.float().contiguous())
+    if layer.post_norm.dtype != dtype:
+        return None
+    return (*args, widths, layer.post_norm.contiguous())
 
 
 class LlamaModel:
@@ -116,6 +141,13 @@ class LlamaModel:
             ))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
         self.scale = cfg.head_dim**-0.5
+        self._decode_layer: Any = None  # torch.ops.loraplex_cpu.decode_layer where every layer has decode_args
+        if not cfg.qk_norm:
+            for layer in self.layers:
+                layer.decode_args = _decode_args(layer, self.dtype)
+            ops = native_cpu.ops() if all(layer.decode_args is not None for layer in self.layers) else None
+            if ops is not None:
+                self._decode_layer = ops.decode_layer.default
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,6 +208,15 @@ class LlamaModel:
         eps, layers = cfg.rms_norm_eps, self.layers
         # x: the residual stream (T, H), owned here (add_rms_norm may update it in place); h: a norm of it
         x, h = add_rms_norm(self._embed(input_ids), None, layers[0].input_norm, eps)
+        decode = self._all_decode_inputs(n_tok, attn, lora, kv_caches)
+        if decode is not None:  # one native call per layer (the ops below, in C++)
+            cos2, sin2 = cos.reshape(n_tok, cfg.head_dim), sin.reshape(n_tok, cfg.head_dim)
+            for i, layer in enumerate(layers):
+                next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+                assert layer.decode_args is not None
+                h = self._decode_layer(x, h, *layer.decode_args, next_norm, eps, cos2, sin2, *kv_caches[i],
+                                       attn.slot_mapping, *decode, cfg.num_heads, self.scale, cfg.sliding_window or 0)
+            return h
         for i, layer in enumerate(layers):
             qkv = linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
             if lora is not None:
@@ -208,6 +249,18 @@ class LlamaModel:
                 lora.add(i, "down", act, down)
             x, h = add_rms_norm(x, down, layers[i + 1].input_norm if i + 1 < len(layers) else self.norm, eps)
         return h
+
+    def _all_decode_inputs(self, n_tok: int, attn: AttentionInputs, lora: LoRAContext | None,
+                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...] | None:
+        """(block tables int32, sequence ids, sequence lengths int32) for decode_layer when this step can run
+        it: every sequence decodes one token, no token has an adapter, the caches are in the model's dtype."""
+        plan = attn.plan
+        if (self._decode_layer is None or lora is not None or plan is None or not plan.decode_seqs
+                or not len(plan.decode_seqs) == len(plan.seq_lens) == n_tok or kv_caches[0][0].dtype != self.dtype):
+            return None
+        lens, tables = attn.seq_lens, attn.block_tables
+        return (tables if tables.dtype == torch.int32 else tables.to(torch.int32), plan.decode_ids,
+                (lens if lens.dtype == torch.int32 else lens.to(torch.int32)).contiguous())
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, dense_cpu.PackedDense):

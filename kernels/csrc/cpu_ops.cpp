@@ -14,6 +14,7 @@
 //   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
+//   decode_layer       one decoder layer of an all-decode step without adapters, the ops above in order
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16).
 #include <ATen/Parallel.h>
@@ -1237,6 +1238,48 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
 #endif
 }
 
+
+// ---- decode_layer ------------------------------------------------------------------------------------------
+// One decoder layer of a step in which every sequence decodes one token and no token has an adapter: the
+// ops above in the model's order (engine/models/llama.py), called from here instead of from Python, so a
+// batch-1 step pays one Python call per layer instead of nine. Projections are panels: float32 (3-d), bf16
+// or int8 with bf16 scales (4-d); `ns` their output widths (qkv, o, gate_up, down). Updates the residual
+// `x` in place, writes the layer's keys and values, and returns the next sublayer's normed input.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n,
+                        const std::optional<at::Tensor>& bias) {
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scales.has_value(), "decode_layer: an int8 projection needs its scales");
+    return int8_linear(x, w, *scales, bias);
+  }
+  if (w.scalar_type() == at::kBFloat16) return bf16_linear(x, w, n, bias);
+  return f32_linear(x, w, n, bias);
+}
+
+at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_s,
+                        const std::optional<at::Tensor>& qkv_b, const at::Tensor& o_w, const std::optional<at::Tensor>& o_s,
+                        const at::Tensor& gate_up_w, const std::optional<at::Tensor>& gate_up_s, const at::Tensor& down_w,
+                        const std::optional<at::Tensor>& down_s, std::vector<int64_t> ns, const at::Tensor& post_norm,
+                        const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                        const at::Tensor& seq_ids, const at::Tensor& seq_lens, int64_t num_q_heads, double scale,
+                        int64_t window) {
+  TORCH_CHECK(ns.size() == 4, "decode_layer: ns holds the widths of qkv, o, gate_up and down");
+  const int64_t T = h.size(0), D = k_cache.size(3), hkv = k_cache.size(2);
+  const int64_t q_size = num_q_heads * D, kv_size = hkv * D;
+  TORCH_CHECK(ns[0] == q_size + 2 * kv_size, "decode_layer: the qkv width must be (H_q + 2 H_kv) * D");
+  const std::optional<at::Tensor> none;
+  at::Tensor qkv = panel_linear(h, qkv_w, qkv_s, ns[0], qkv_b);  // (T, q + 2 kv)
+  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_q_heads + hkv, D});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, D});
+  rope_store_kv(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  const at::Tensor attn = decode_attention(qk.narrow(1, 0, num_q_heads), k_cache, v_cache, block_tables, seq_ids,
+                                           seq_lens, scale, window);
+  const at::Tensor o = panel_linear(attn.view({T, q_size}), o_w, o_s, ns[1], none);
+  const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
+  const at::Tensor act = silu_mul(panel_linear(h2, gate_up_w, gate_up_s, ns[2], none));
+  return add_rms_norm(x, panel_linear(act, down_w, down_s, ns[3], none), next_norm, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraplex_cpu, m) {
@@ -1256,6 +1299,10 @@ TORCH_LIBRARY(loraplex_cpu, m) {
         "Tensor token_slots, int[] slice_sizes) -> ()");
   m.def("f32_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("has_f32_linear() -> bool", &has_f32_linear);
+  m.def("decode_layer(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
+        "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
+        "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
+        "Tensor block_tables, Tensor seq_ids, Tensor seq_lens, int num_q_heads, float scale, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
@@ -1268,4 +1315,5 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("lora_add", &lora_add);
   m.impl("f32_linear", &f32_linear);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -145,3 +145,39 @@ def test_the_torch_twins_give_the_native_cpu_paths_tokens(llama_dir, monkeypatch
     assert not any(getattr(layer.qkv, "layout", None) == "panels" for layer in twins.engine.runner.model.layers)
     got = [o.outputs[0].token_ids for o in twins.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == want
+
+
+@pytest.mark.parametrize(("family", "overrides", "fields"), [
+    ("llama", {}, {}),
+    ("llama", {}, {"dtype": "bfloat16"}),
+    ("llama", {}, {"quantization": "int8"}),
+    ("mistral", {"extra": {"sliding_window": 8}}, {}),  # windowed decode attention
+    ("qwen2", {}, {"dtype": "bfloat16"}),  # q/k/v bias
+])
+def test_the_native_decode_layer_gives_the_op_by_op_tokens(make_model, family, overrides, fields):
+    """An all-decode step runs each layer as one native call (decode_layer) where every projection is in
+    native panels; it calls the same ops in the same order as the Python layer loop: the same tokens."""
+    from kernels import native_cpu
+
+    ops = native_cpu.ops()
+    if ops is None or not ops.has_f32_linear() or ("dtype" in fields or "quantization" in fields) and not ops.has_bf16_linear():
+        pytest.skip("panels need the AVX-512 (bf16: AVX512-BF16) native kernels")
+    model_dir = make_model(family, **overrides)
+    prompts = random_prompts(600, [5, 40, 1, 23, 17, 9], seed=5)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(model_dir, num_kv_blocks=64, max_num_batched_tokens=256, **fields)
+        model = llm.engine.runner.model
+        assert model._decode_layer is not None
+        calls = []
+        native = model._decode_layer
+
+        def counted(*args, native=native, calls=calls):
+            calls.append(1)
+            return native(*args)
+
+        model._decode_layer = counted if fused else None
+        runs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+        assert (len(calls) > 0) == fused
+    assert runs[0] == runs[1]
