@@ -86,11 +86,13 @@ def _onednn_can_pack(w: torch.Tensor) -> bool:
 _BF16_LINEAR: Any = None  # the native ops' overloads, bound when the first panels are made
 _F32_LINEAR: Any = None
 _INT8_LINEAR: Any = None
+_INT4_LINEAR: Any = None
 
 
 def _bind(ops: Any) -> None:
-    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR
+    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR, _INT4_LINEAR
     _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR = ops.bf16_linear.default, ops.f32_linear.default, ops.int8_linear.default
+    _INT4_LINEAR = ops.int4_linear.default
 
 
 def pack(w: torch.Tensor) -> PackedDense:
@@ -126,9 +128,15 @@ def unpanel(panels: torch.Tensor, n: int) -> torch.Tensor:
 def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an int8 (N, K) weight goes to int8 panels: on the CPU, with bf16 scales (activations), an
     even K, and the native bf16 kernel built."""
-    if os.environ.get(PREPACK_ENV, "1") == "0" or q.device.type != "cpu" or scales.dtype != torch.bfloat16:
+    return q.device.type == "cpu" and scales.dtype == torch.bfloat16 and bf16_panels_ready(q.shape[1])
+
+
+def bf16_panels_ready(k: int) -> bool:
+    """Whether quantized weights of K inputs go to native panels read with bf16 activations: prepacking on
+    (LORAPLEX_CPU_PREPACK) and the native bf16 panel kernel built for this CPU."""
+    if os.environ.get(PREPACK_ENV, "1") == "0":
         return False
-    ops = _panel_kernel(torch.empty(0, q.shape[1], dtype=torch.bfloat16))
+    ops = _panel_kernel(torch.empty(0, k, dtype=torch.bfloat16))
     if ops is not None:
         _bind(ops)
     return ops is not None
@@ -149,6 +157,24 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x2 = x2.contiguous()
     b = None if bias is None else bias.float().contiguous()
     return _INT8_LINEAR(x2, qweight, scales, b).view(*lead, scales.shape[0])
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias over int4 panels (bf16 x; kernels.quant_cpu.pack_int4_panels) with their (G, N, 2)
+    bf16 scales and zeros: fp32 sums, the weights ((q - 8) * scale + zero) never rounded, y rounded once.
+    Each group sums x * (128 + q) in bf16 dot products (128 + q is exact in bf16) and subtracts
+    136 * sum(x) before its scale: within the tests' bf16 tolerance of the fp32 reference.
+
+    Semantics: the reference is F.linear(x.float(), dequantize(w) in fp32, bias), rounded to bf16.
+    """
+    assert _INT4_LINEAR is not None, "int4 panels are only made where the native ops run"
+    lead, k = x.shape[:-1], qweight.shape[1] * 4
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    return _INT4_LINEAR(x2, qweight, scale_zeros, b).view(*lead, scale_zeros.shape[1])
 
 
 def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:

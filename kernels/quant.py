@@ -82,6 +82,8 @@ def int4_values(w: Int4Weight) -> torch.Tensor:
     """(N, K) uint8: the 4-bit values q[n, k] of w, whatever its layout."""
     if w.layout == "cpu_int4pack":
         return quant_cpu.unpack_int4(w.qweight, w.shape[0], w.shape[1]).T
+    if w.layout == "panels":
+        return quant_cpu.unpack_int4_panels(w.qweight, w.shape[0])
     return nibble_values(w.qweight)
 
 
@@ -135,9 +137,9 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 def place(w: Weight, device: torch.device | str) -> Weight:
     """w on `device` in the layout its kernels read: a dense CPU weight is prepacked (kernels.dense_cpu: the
-    native panels, or oneDNN's layout); int8 with bf16 scales goes to int8 panels where the native bf16
-    kernel runs; int4 goes to torch's CPU layout where that kernel exists and N is a multiple of 16 (else
-    it stays in nibbles and is dequantized per call)."""
+    native panels, or oneDNN's layout); int8 and int4 with bf16 scales go to the native int8 / int4 panels
+    where the native bf16 kernel runs; else int4 goes to torch's CPU layout where that kernel exists and N
+    is a multiple of 16 (else it stays in nibbles and is dequantized per call)."""
     device = torch.device(device)
     if isinstance(w, PackedDense):
         w = dense_cpu.unpack(w)
@@ -149,6 +151,9 @@ def place(w: Weight, device: torch.device | str) -> Weight:
         if dense_cpu.can_pack_int8(q, w.scales):
             return Int8Weight(dense_cpu.panel(q), w.scales.contiguous(), "panels")
         return Int8Weight(q, w.scales.to(device))
+    if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4_panels(w):
+        return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
+                          "panels")
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4(w.shape[0]):
         return Int4Weight(quant_cpu.pack_int4(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
                           "cpu_int4pack")

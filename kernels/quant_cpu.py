@@ -48,6 +48,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
         if bf16 and HAS_INT8_MM and tokens <= INT8_PACKED_MAX_TOKENS:
             return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)
         return F.linear(x, w.qweight.to(x.dtype) * w.scales[:, None], bias)
+    if w.layout == "panels":  # made only for bf16 activations (kernels.quant.place)
+        return dense_cpu.int4_linear(x, w.qweight, w.scale_zeros, bias)
     if bf16 and w.layout == "cpu_int4pack" and tokens <= INT4_PACKED_MAX_TOKENS:
         return _add_bias(_aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.qweight, w.group_size, w.scale_zeros),
                          bias)
@@ -69,6 +71,32 @@ def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     scales, zeros = w.scale_zeros[..., 0].contiguous(), w.scale_zeros[..., 1].contiguous()  # (G, N) each
     groups = k // w.group_size
     return torch.addcmul(zeros[:, None, :], centered.view(groups, w.group_size, n), scales[:, None, :]).view(k, n)
+
+
+def pack_int4_panels(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in 0..15 -> the native kernel's int4 panels (kernels.quant_weights, layout "panels";
+    the kernel reads the scales and zeros from scale_zeros as stored)."""
+    n, k = q.shape
+    panels = -(-n // dense_cpu.PANEL)
+    padded = torch.zeros(panels * dense_cpu.PANEL, k, dtype=torch.uint8)
+    padded[:n] = q
+    pairs = padded.view(panels, dense_cpu.PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(panels, k // 4, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+
+
+def unpack_int4_panels(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The (N, K) values of `pack_int4_panels`'s panels."""
+    panels, k4, _ = packed.shape
+    pairs = torch.stack([packed & 15, packed >> 4], dim=2)  # (P, K / 4, 2, 32)
+    q = pairs.view(panels, k4, 2, dense_cpu.PANEL, 2).permute(0, 3, 1, 2, 4).reshape(panels * dense_cpu.PANEL, 4 * k4)
+    return q[:n].contiguous()
+
+
+def can_pack_int4_panels(w: Int4Weight) -> bool:
+    """Whether an int4 weight goes to the native panels: on the CPU, bf16 scales (activations), K a multiple
+    of 4, and the native bf16 kernel built."""
+    return (w.qweight.device.type == "cpu" and w.scale_zeros.dtype == torch.bfloat16 and w.shape[1] % 4 == 0
+            and dense_cpu.bf16_panels_ready(w.shape[1]))
 
 
 def can_pack_int4(out_features: int) -> bool:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-Int4Layout = Literal["nibbles", "cpu_int4pack"]
+Int4Layout = Literal["nibbles", "cpu_int4pack", "panels"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ class Int4Weight:
     "nibbles":      (N, K / 2) uint8, byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4. Host form, and CUDA's.
     "cpu_int4pack": (N, K / 2) uint8 in the blocked layout of torch's `_convert_weight_to_int4pack_for_cpu`
                     (blocks of 64 or 32 rows, depending on the CPU; kernels.quant_cpu reads it back).
+    "panels":       (ceil(N / 16), K / 4, 32) uint8 for the CPU's native kernel: byte e of [p, t] holds element
+                    e of k-pair 2t (low nibble) and of k-pair 2t + 1 (high nibble), each k-pair's 32 elements
+                    in kernels.dense_cpu's bf16 panel order (scale_zeros as in every layout).
     """
 
     qweight: torch.Tensor
@@ -60,6 +63,8 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.layout == "panels":
+            return (self.scale_zeros.shape[1], 4 * self.qweight.shape[1])
         return (self.qweight.shape[0], 2 * self.qweight.shape[1])
 
     @property

@@ -87,7 +87,7 @@ def _fuse(parts: list[Weight]) -> Weight:
 
 def _decode_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """decode_layer's weight arguments for `layer`, or None unless all four projections are native panels
-    (dense in the activation dtype, or int8 panels) and its norms share that dtype."""
+    (dense in the activation dtype, or int8 / int4 panels) and its norms share that dtype."""
     args: list[Any] = []
     widths: list[int] = []
     for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
@@ -96,6 +96,9 @@ def _decode_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
             widths.append(w.shape[0])
         elif isinstance(w, Int8Weight) and w.layout == "panels" and w.scales.dtype == dtype:
             args += [w.qweight, w.scales]
+            widths.append(w.shape[0])
+        elif isinstance(w, Int4Weight) and w.layout == "panels" and w.scale_zeros.dtype == dtype:
+            args += [w.qweight, w.scale_zeros]
             widths.append(w.shape[0])
         else:
             return None

@@ -12,6 +12,7 @@
 //                      panels of K pairs (AVX512-BF16 dot products; built only where the compiler targets
 //                      avx512_bf16, see has_bf16_linear)
 //   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers
+//   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
 //   decode_layer       one decoder layer of an all-decode step without adapters, the ops above in order
@@ -1147,6 +1148,184 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return panel_linear_bf16(x, w, n, sf.data(), bp);
 }
 
+
+// ---- int4_linear -------------------------------------------------------------------------------------------
+// Packed int4 weight: (P, K / 4, 32) uint8. Byte e of [p, t] holds element e of k-pair 2t (low nibble) and of
+// k-pair 2t + 1 (high nibble), each k-pair's 32 elements in the bf16 panel order (16 columns x 2 k). Scales
+// and zeros as the model stores them: (G, N, 2) bf16, [g, n] = (s, z), one 64-byte load per panel and
+// group. A nibble q widens exactly to the bf16 of 128 + q (bits 0x4300 | q), and
+//   sum_{k in g} x_k ((q_k - 8) s + z) = s * sum_{k in g} x_k (128 + q_k) + (z - 136 s) * sum_{k in g} x_k,
+// so each group's bf16 dot products are scaled once and corrected by the row's sum over the group.
+#if defined(__AVX512BF16__)
+inline void int4_pairs(const uint8_t* src, __m512i& a, __m512i& b) {  // k-pairs 2t and 2t + 1 as bf16 pairs
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m512i magic = _mm512_set1_epi16(0x4300);
+  a = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(raw, nibble)), magic);
+  b = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)), magic);
+}
+
+// MR rows x NR panels. WIDENED: `w` holds the panels' 128 + q as bf16 pairs (2 x 64 bytes per t) instead of
+// nibbles, made once per panel group for many rows.
+template <int MR, int NR, bool WIDENED>
+inline void int4_tile(const uint16_t* __restrict x, int64_t xs, const void* __restrict w, int64_t K4,
+                      int64_t G, int64_t tpg, int64_t p0, int64_t N, uint16_t* __restrict out, int64_t os,
+                      const uint16_t* __restrict sz, int64_t sz_stride, const float* __restrict xsum,
+                      const float* __restrict bias) {
+  __m512 tot[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) tot[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t t = g * tpg; t < (g + 1) * tpg; ++t) {
+      __m512i ba[NR], bb[NR];
+      for (int j = 0; j < NR; ++j) {
+        if constexpr (WIDENED) {
+          const uint16_t* src = static_cast<const uint16_t*>(w) + ((p0 + j) * K4 + t) * 64;
+          ba[j] = _mm512_loadu_si512(src);
+          bb[j] = _mm512_loadu_si512(src + 32);
+        } else {
+          int4_pairs(static_cast<const uint8_t*>(w) + ((p0 + j) * K4 + t) * 32, ba[j], bb[j]);
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        int32_t pa, pb;
+        std::memcpy(&pa, x + i * xs + 4 * t, sizeof pa);
+        std::memcpy(&pb, x + i * xs + 4 * t + 2, sizeof pb);
+        const __m512i xa = _mm512_set1_epi32(pa), xb = _mm512_set1_epi32(pb);
+        for (int j = 0; j < NR; ++j) {
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xa, (__m512bh)ba[j]);
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)bb[j]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const int64_t n0 = (p0 + j) * 16;
+      // 16 (s, z) bf16 pairs: s in each 32-bit lane's low half, z in its high half
+      const __m512i pairs = _mm512_maskz_loadu_epi32(first_lanes(N - n0), sz + g * sz_stride + 2 * n0);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      const __m512 c = _mm512_fmadd_ps(_mm512_set1_ps(-136.f), s, z);  // z - (128 + 8) s
+      for (int i = 0; i < MR; ++i)
+        tot[i][j] = _mm512_fmadd_ps(s, acc[i][j], _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[i * G + g]), tot[i][j]));
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n0 = (p0 + j) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(tot[i][j], bv));
+      _mm256_mask_storeu_epi16(out + i * os + n0, mask, (__m256i)r);
+    }
+  }
+}
+
+// Rows [0, M) x panels p0 .. p0 + nr - 1 (nr <= 4): tiles of up to 6 rows; 1-2 rows take 4 panels at a
+// time, more rows 2 (the accumulators of both sums must fit in registers).
+template <bool WIDENED>
+void int4_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w, int64_t K4, int64_t G, int64_t tpg,
+               int64_t p0, int64_t n, uint16_t* op, int64_t os, const uint16_t* sz, int64_t sz_stride,
+               const float* xsum, const float* bias) {
+  for (int64_t m = 0; m < M; m += kRowsPerTile) {
+    const int mr = static_cast<int>(std::min<int64_t>(kRowsPerTile, M - m));
+    const uint16_t* xr = xp + m * xs;
+    uint16_t* orow = op + m * os;
+    const float* xsr = xsum + m * G;
+#define LORAPLEX_INT4(MR, NR, P) \
+  int4_tile<MR, NR, WIDENED>(xr, xs, w, K4, G, tpg, P, n, orow, os, sz, sz_stride, xsr, bias)
+    if (mr <= 2) {
+      for (int j = 0; j < nr;) {
+        const int left = nr - j;
+        if (mr == 1) {
+          if (left >= 4) { LORAPLEX_INT4(1, 4, p0 + j); j += 4; } else if (left >= 2) { LORAPLEX_INT4(1, 2, p0 + j); j += 2; } else { LORAPLEX_INT4(1, 1, p0 + j); j += 1; }
+        } else {
+          if (left >= 4) { LORAPLEX_INT4(2, 4, p0 + j); j += 4; } else if (left >= 2) { LORAPLEX_INT4(2, 2, p0 + j); j += 2; } else { LORAPLEX_INT4(2, 1, p0 + j); j += 1; }
+        }
+      }
+    } else {
+      for (int j = 0; j < nr; j += 2) {
+        const bool two = nr - j >= 2;
+        switch (mr) {
+          case 3: if (two) LORAPLEX_INT4(3, 2, p0 + j); else LORAPLEX_INT4(3, 1, p0 + j); break;
+          case 4: if (two) LORAPLEX_INT4(4, 2, p0 + j); else LORAPLEX_INT4(4, 1, p0 + j); break;
+          case 5: if (two) LORAPLEX_INT4(5, 2, p0 + j); else LORAPLEX_INT4(5, 1, p0 + j); break;
+          default: if (two) LORAPLEX_INT4(6, 2, p0 + j); else LORAPLEX_INT4(6, 1, p0 + j); break;
+        }
+      }
+    }
+#undef LORAPLEX_INT4
+  }
+}
+#endif
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "int4_linear: x (M, K) bfloat16, rows contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 32 && w.size(1) * 4 == K,
+              "int4_linear: w must be int4 panels (P, K / 4, 32) for this K");
+  const int64_t P = w.size(0), K4 = w.size(1);
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == at::kBFloat16 &&
+                  scale_zeros.size(2) == 2 && K4 % scale_zeros.size(0) == 0,
+              "int4_linear: scale_zeros (G, N, 2) bfloat16, G dividing K / 4");
+  const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0), tpg = K4 / G, group = K / G;
+  TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "int4_linear: the panels do not hold N columns");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int4_linear: bias (N,) float32");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, n}, x.options());
+#if defined(__AVX512BF16__)
+  if (M == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t xs = x.stride(0);
+  std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum over each group, fp32
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const bf16* row = reinterpret_cast<const bf16*>(xp + m * xs) + g * group;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t k = 0; k < group; k += 16) s = _mm512_add_ps(s, load16(row + k));
+        xsum[m * G + g] = _mm512_reduce_add_ps(s);
+      }
+  });
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> widened;
+    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
+      if (M <= kRowsPerTile) {
+        int4_rows<false>(M, nr, xp, xs, wp, K4, G, tpg, p0, n, op, n, szp, 2 * n, xsum.data(), bp);
+        continue;
+      }
+      // many rows: widen the group's nibbles once (panels p0.. as 0..), then every tile reads bf16
+      widened.resize(static_cast<size_t>(nr * K4 * 64));
+      for (int64_t t = 0; t < nr * K4; ++t) {
+        __m512i a, b;
+        int4_pairs(wp + (p0 * K4 + t) * 32, a, b);
+        _mm512_storeu_si512(widened.data() + t * 64, a);
+        _mm512_storeu_si512(widened.data() + t * 64 + 32, b);
+      }
+      int4_rows<true>(M, nr, xp, xs, widened.data(), K4, G, tpg, 0, n - p0 * 16, op + p0 * 16, n,
+                      szp + 2 * p0 * 16, 2 * n, xsum.data(), bp ? bp + p0 * 16 : nullptr);
+    }
+  });
+  return out;
+#else
+  (void)M; (void)K4; (void)G; (void)tpg; (void)group; (void)bp;
+  TORCH_CHECK(false, "int4_linear: this build has no AVX512-BF16 (see has_bf16_linear)");
+#endif
+}
+
 #if defined(__AVX512F__)
 // The float32 twin of bf16_tile: panels (N_pad / 16, K, 16), one k per FMA.
 template <int MR, int NR>
@@ -1251,6 +1430,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
     TORCH_CHECK(scales.has_value(), "decode_layer: an int8 projection needs its scales");
     return int8_linear(x, w, *scales, bias);
   }
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(scales.has_value(), "decode_layer: an int4 projection needs its scales and zeros");
+    return int4_linear(x, w, *scales, bias);
+  }
   if (w.scalar_type() == at::kBFloat16) return bf16_linear(x, w, n, bias);
   return f32_linear(x, w, n, bias);
 }
@@ -1298,6 +1481,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor b_t, Tensor ranks, Tensor scaling, "
         "Tensor token_slots, int[] slice_sizes) -> ()");
   m.def("f32_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale_zeros, Tensor? bias) -> Tensor");
   m.def("has_f32_linear() -> bool", &has_f32_linear);
   m.def("decode_layer(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
@@ -1315,5 +1499,6 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("lora_add", &lora_add);
   m.impl("f32_linear", &f32_linear);
+  m.impl("int4_linear", &int4_linear);
   m.impl("decode_layer", &decode_layer);
 }

@@ -198,6 +198,31 @@ def test_int8_panels_equal_the_dequantized_product(ops, m, n, k):
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
+@pytest.mark.parametrize(("n", "k", "group_size"), [(96, 64, 32), (40, 128, 64), (600, 256, 128), (72, 64, 64)])
+def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size):
+    """Streaming tiles (1-2 rows x 4 panels, 3-6 rows x 2), the widened path (more rows), N not a multiple of
+    16, every group size, with a bias: the fp32 product over the dequantized weights, rounded once."""
+    from kernels.quant import dequantize, int4_values, linear, place, quantize_int4
+
+    _need_panels(ops, torch.bfloat16)
+    g = torch.Generator().manual_seed(m * n + k)
+    q = quantize_int4(torch.randn(n, k, generator=g), group_size, torch.bfloat16)
+    placed = place(q, "cpu")
+    assert placed.layout == "panels" and placed.shape == (n, k) and placed.group_size == group_size
+    assert torch.equal(int4_values(placed), int4_values(q)) and torch.equal(dequantize(placed), dequantize(q))
+    assert placed.nbytes == -(-n // 16) * 16 * k // 2 + q.scale_zeros.numel() * 2  # scales and zeros: not copied
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    for b in (None, bias):
+        want = F.linear(x.float(), dequantize(q), None if b is None else b.float())
+        got = linear(x, placed, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # bf16 output rounding (2^-8 relative) on top of fp32 sums of 128 + q that the group terms cancel
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    assert torch.equal(int4_values(place(placed, "cpu")), int4_values(q))  # placing again keeps the values
+
+
 @pytest.mark.parametrize(("query_lens", "seq_lens", "window", "head_dim", "group"), [
     ([33, 1, 20], [33, 40, 100], None, 64, 3),  # fresh prompt, a decode row, a chunk over cached context
     ([50, 17], [90, 17], 9, 128, 4),

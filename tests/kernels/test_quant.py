@@ -14,6 +14,15 @@ SHAPES = [(64, 128), (176, 64), (80, 96), (48, 256)]
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+@pytest.fixture
+def torch_int4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No native panels (tested in test_native_cpu.py): int4 goes to torch's CPU layout, as where the native
+    ops are not built."""
+    from kernels import native_cpu
+
+    monkeypatch.setattr(native_cpu, "available_for", lambda t: None)
+
+
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
 
@@ -57,7 +66,7 @@ def test_int4_rejects_group_sizes_the_kernels_cannot_run() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_cpu_int4_layout_round_trips(shape: tuple[int, int]) -> None:
+def test_cpu_int4_layout_round_trips(shape: tuple[int, int], torch_int4: None) -> None:
     q = quant.quantize_int4(weight(*shape, seed=2), 32, torch.bfloat16)
     packed = place(q, "cpu")
     assert isinstance(packed, Int4Weight) and packed.layout == "cpu_int4pack" and packed.shape == shape
@@ -68,7 +77,7 @@ def test_cpu_int4_layout_round_trips(shape: tuple[int, int]) -> None:
 
 
 @pytest.mark.parametrize("layout", ["cpu_int4pack", "nibbles"])
-def test_bf16_dequantized_int4_is_the_exact_weight_rounded_once(layout: str) -> None:
+def test_bf16_dequantized_int4_is_the_exact_weight_rounded_once(layout: str, torch_int4: None) -> None:
     host = quant.quantize_int4(weight(176, 128, seed=11), 32, torch.bfloat16)
     w = place(host, "cpu") if layout == "cpu_int4pack" else host
     assert isinstance(w, Int4Weight) and w.layout == layout
@@ -76,7 +85,7 @@ def test_bf16_dequantized_int4_is_the_exact_weight_rounded_once(layout: str) -> 
     assert torch.equal(quant_cpu.dequantize_int4_t(w, torch.bfloat16), want)
 
 
-def test_int4_rows_not_a_multiple_of_16_stay_in_nibbles() -> None:
+def test_int4_rows_not_a_multiple_of_16_stay_in_nibbles(torch_int4: None) -> None:
     q = place(quant.quantize_int4(weight(40, 64), 32, torch.bfloat16), "cpu")
     assert isinstance(q, Int4Weight) and q.layout == "nibbles"
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -120,7 +129,7 @@ def test_packed_kernels_and_the_dequantized_path_agree(kind: str, monkeypatch: p
     assert not torch.equal(packed, dequantized)  # two different computations, not the same path twice
 
 
-def test_a_missing_packed_kernel_falls_back_to_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_packed_kernel_falls_back_to_dequantize(monkeypatch: pytest.MonkeyPatch, torch_int4: None) -> None:
     monkeypatch.setattr(quant_cpu, "HAS_INT8_MM", False)
     monkeypatch.setattr(quant_cpu, "HAS_INT4_MM", False)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
