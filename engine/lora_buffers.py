@@ -15,6 +15,7 @@ from adapters.lora_adapter import LoRAAdapter
 from engine.config import ModelConfig
 from engine.plan import BatchPlan
 from kernels.lora import add_lora
+from kernels.lora_cpu import native_operands
 from kernels.lora_meta import NO_ADAPTER, LoRABatchMeta
 from kernels.lora_weights import LoRAStackedWeights
 
@@ -39,6 +40,26 @@ class LoRAStepContext:
         if not self._buffers.is_adapted(layer, group, self.meta.active_slots):
             return
         add_lora(y, x, self._buffers.weights[layer][group], self.meta)
+
+
+    def native_layer_args(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
+        """`layer`'s LoRA operands for the native decode layer (kernels/csrc/cpu_ops.cpp, decode_layer): per
+        group the slice count (0 where no active slot adapts it) then its slice widths, and the four
+        operands of each adapted group (kernels.lora_cpu.native_operands). None where the native kernel
+        would not run a group: the layer then runs op by op."""
+        tensors: list[torch.Tensor] = []
+        groups: list[int] = []
+        for group in GROUP_PROJECTIONS:
+            if not self._buffers.is_adapted(layer, group, self.meta.active_slots):
+                groups.append(0)
+                continue
+            weights = self._buffers.weights[layer][group]
+            operands = native_operands(weights, dtype)
+            if operands is None:
+                return None
+            tensors += operands
+            groups += [len(weights.slice_sizes), *weights.slice_sizes]
+        return tensors, groups
 
 
 class LoRADeviceBuffers:

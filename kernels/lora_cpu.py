@@ -145,6 +145,16 @@ def _add_native(y: torch.Tensor, x: torch.Tensor, weights: LoRAStackedWeights, m
     return True
 
 
+def native_operands(weights: LoRAStackedWeights, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """(lora_a, transposed B, ranks, scaling): the native kernel's operands for activations of `dtype`, as
+    `_add_native` passes them (the native decode layer calls the same kernel), or None where it would not
+    run them."""
+    if (weights.lora_a.device.type != "cpu" or weights.lora_a.dtype != dtype or not weights.lora_a.is_contiguous()
+            or native_cpu.available_for(weights.lora_a) is None):
+        return None
+    return [weights.lora_a, transposed_b(weights), weights.ranks, weights.scaling]
+
+
 def transposed_b(weights: LoRAStackedWeights) -> torch.Tensor:
     """lora_b as (num_slots, R, sum(n_i)), contiguous: the native expand's operand, cached until a slot write."""
     key = ("b_t",)

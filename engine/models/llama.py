@@ -21,6 +21,7 @@ from engine.models.rope import RotaryEmbedding
 from kernels import dense_cpu, native_cpu
 from kernels.attention import StepAttentionPlan, paged_attention, write_kv
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, silu_mul
+from kernels.lora_meta import LoRABatchMeta
 from kernels.quant import Int4Weight, Int8Weight, Weight, concat, dequantize, linear, nbytes, place
 
 
@@ -29,6 +30,12 @@ class LoRAContext(Protocol):
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += scaling * (x @ A.T) @ B.T for each token's adapter, per slice of the group. In place."""
+        ...
+
+    meta: LoRABatchMeta  # the step's tokens' slots
+
+    def native_layer_args(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The same adds as operands of the native decode layer, or None (see engine.lora_buffers)."""
         ...
 
 
@@ -214,51 +221,67 @@ class LlamaModel:
         decode = self._all_decode_inputs(n_tok, attn, lora, kv_caches)
         if decode is not None:  # one native call per layer (the ops below, in C++)
             cos2, sin2 = cos.reshape(n_tok, cfg.head_dim), sin.reshape(n_tok, cfg.head_dim)
+            slots = None if lora is None else lora.meta.token_slots
+            no_lora: tuple[list[torch.Tensor], list[int]] = ([], [])
             for i, layer in enumerate(layers):
                 next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
                 assert layer.decode_args is not None
+                adds = no_lora if lora is None else lora.native_layer_args(i, self.dtype)
+                if adds is None:  # an adapter group the native kernel does not run: this layer op by op
+                    x, h = self._layer(i, layer, x, h, n_tok, cos, sin, kv_caches, attn, lora, next_norm)
+                    continue
                 h = self._decode_layer(x, h, *layer.decode_args, next_norm, eps, cos2, sin2, *kv_caches[i],
-                                       attn.slot_mapping, *decode, cfg.num_heads, self.scale, cfg.sliding_window or 0)
+                                       attn.slot_mapping, *decode, cfg.num_heads, self.scale, cfg.sliding_window or 0,
+                                       *adds, slots)
             return h
         for i, layer in enumerate(layers):
-            qkv = linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
-            if lora is not None:
-                lora.add(i, "qkv", h, qkv)
-            v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = qkv[:, : cfg.q_size], qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
-                q = rms_norm(q.reshape(n_tok, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
-                q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-                write_kv(k, v, *kv_caches[i], attn.slot_mapping)
-            else:  # rotate q and k in one go (adjacent in the fused projection), and store k and v
-                qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-                q = rope_store_kv(qk, v, cos, sin, cfg.num_heads, *kv_caches[i], attn.slot_mapping)
-            k_cache, v_cache = kv_caches[i]
-            o_in = paged_attention(
-                q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
-                cfg.sliding_window, attn.plan, attn.decode_seqs,
-            ).reshape(n_tok, cfg.q_size)  # (T, q)
-            o = linear(o_in, layer.o)  # (T, H)
-            if lora is not None:
-                lora.add(i, "o", o_in, o)
-            x, h = add_rms_norm(x, o, layer.post_norm, eps)
-            gate_up = linear(h, layer.gate_up)  # (T, 2I)
-            if lora is not None:
-                lora.add(i, "gate_up", h, gate_up)
-            act = silu_mul(gate_up)  # (T, I)
-            down = linear(act, layer.down)  # (T, H)
-            if lora is not None:
-                lora.add(i, "down", act, down)
-            x, h = add_rms_norm(x, down, layers[i + 1].input_norm if i + 1 < len(layers) else self.norm, eps)
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+            x, h = self._layer(i, layer, x, h, n_tok, cos, sin, kv_caches, attn, lora, next_norm)
         return h
+
+    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, h: torch.Tensor, n_tok: int, cos: torch.Tensor,
+               sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionInputs,
+               lora: LoRAContext | None, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i op by op: (the residual stream after it, its next_norm)."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        qkv = linear(h, layer.qkv, layer.qkv_bias)  # (T, q + 2 kv)
+        if lora is not None:
+            lora.add(i, "qkv", h, qkv)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = qkv[:, : cfg.q_size], qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
+            q = rms_norm(q.reshape(n_tok, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k.reshape(n_tok, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+            write_kv(k, v, *kv_caches[i], attn.slot_mapping)
+        else:  # rotate q and k in one go (adjacent in the fused projection), and store k and v
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            q = rope_store_kv(qk, v, cos, sin, cfg.num_heads, *kv_caches[i], attn.slot_mapping)
+        k_cache, v_cache = kv_caches[i]
+        o_in = paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
+            cfg.sliding_window, attn.plan, attn.decode_seqs,
+        ).reshape(n_tok, cfg.q_size)  # (T, q)
+        o = linear(o_in, layer.o)  # (T, H)
+        if lora is not None:
+            lora.add(i, "o", o_in, o)
+        x, h = add_rms_norm(x, o, layer.post_norm, eps)
+        gate_up = linear(h, layer.gate_up)  # (T, 2I)
+        if lora is not None:
+            lora.add(i, "gate_up", h, gate_up)
+        act = silu_mul(gate_up)  # (T, I)
+        down = linear(act, layer.down)  # (T, H)
+        if lora is not None:
+            lora.add(i, "down", act, down)
+        return add_rms_norm(x, down, next_norm, eps)
 
     def _all_decode_inputs(self, n_tok: int, attn: AttentionInputs, lora: LoRAContext | None,
                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...] | None:
         """(block tables int32, sequence ids, sequence lengths int32) for decode_layer when this step can run
-        it: every sequence decodes one token, no token has an adapter, the caches are in the model's dtype."""
+        it: every sequence decodes one token and the caches are in the model's dtype (adapters: per layer,
+        LoRAContext.native_layer_args)."""
         plan = attn.plan
-        if (self._decode_layer is None or lora is not None or plan is None or not plan.decode_seqs
+        if (self._decode_layer is None or plan is None or not plan.decode_seqs
                 or not len(plan.decode_seqs) == len(plan.seq_lens) == n_tok or kv_caches[0][0].dtype != self.dtype):
             return None
         lens, tables = attn.seq_lens, attn.block_tables

@@ -15,7 +15,7 @@
 //   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
-//   decode_layer       one decoder layer of an all-decode step without adapters, the ops above in order
+//   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16).
 #include <ATen/Parallel.h>
@@ -1443,9 +1443,9 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
 
 
 // ---- decode_layer ------------------------------------------------------------------------------------------
-// One decoder layer of a step in which every sequence decodes one token and no token has an adapter: the
-// ops above in the model's order (engine/models/llama.py), called from here instead of from Python, so a
-// batch-1 step pays one Python call per layer instead of nine. Projections are panels: float32 (3-d), bf16
+// One decoder layer of a step in which every sequence decodes one token: the ops above in the model's order
+// (engine/models/llama.py), LoRA adds included, called from here instead of from Python, so a batch-1 step
+// pays one Python call per layer instead of nine (thirteen with adapters). Projections are panels: float32 (3-d), bf16
 // or int8 with bf16 scales (4-d); `ns` their output widths (qkv, o, gate_up, down). Updates the residual
 // `x` in place, writes the layer's keys and values, and returns the next sublayer's normed input.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n,
@@ -1469,22 +1469,55 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
                         const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                         const at::Tensor& seq_ids, const at::Tensor& seq_lens, int64_t num_q_heads, double scale,
-                        int64_t window) {
+                        int64_t window, at::TensorList lora, std::vector<int64_t> lora_groups,
+                        const std::optional<at::Tensor>& token_slots) {
   TORCH_CHECK(ns.size() == 4, "decode_layer: ns holds the widths of qkv, o, gate_up and down");
+  // LoRA: per group (qkv, o, gate_up, down) its slice count (0: no adapter of this step touches it), then
+  // the slice widths; `lora` holds (lora_a, b_t, ranks, scaling) of each group present (kernels.lora_cpu)
+  std::vector<std::vector<int64_t>> slices(4);
+  std::vector<int64_t> first(4, -1);
+  if (!lora_groups.empty()) {
+    TORCH_CHECK(token_slots.has_value(), "decode_layer: LoRA needs the tokens' slots");
+    size_t at = 0;
+    int64_t tensor = 0;
+    for (int g = 0; g < 4; ++g) {
+      TORCH_CHECK(at < lora_groups.size(), "decode_layer: lora_groups names every group");
+      const int64_t count = lora_groups[at++];
+      TORCH_CHECK(count >= 0 && at + count <= lora_groups.size(), "decode_layer: bad lora_groups");
+      slices[g].assign(lora_groups.begin() + at, lora_groups.begin() + at + count);
+      at += count;
+      if (count > 0) {
+        first[g] = tensor;
+        tensor += 4;
+      }
+    }
+    TORCH_CHECK(static_cast<int64_t>(lora.size()) == tensor, "decode_layer: four LoRA tensors per adapted group");
+  }
+  auto add_lora = [&](int g, at::Tensor& y, const at::Tensor& in) {
+    if (first[g] < 0) return;
+    const int64_t t = first[g];
+    lora_add(y, in, lora[t], lora[t + 1], lora[t + 2], lora[t + 3], *token_slots, slices[g]);
+  };
   const int64_t T = h.size(0), D = k_cache.size(3), hkv = k_cache.size(2);
   const int64_t q_size = num_q_heads * D, kv_size = hkv * D;
   TORCH_CHECK(ns[0] == q_size + 2 * kv_size, "decode_layer: the qkv width must be (H_q + 2 H_kv) * D");
   const std::optional<at::Tensor> none;
   at::Tensor qkv = panel_linear(h, qkv_w, qkv_s, ns[0], qkv_b);  // (T, q + 2 kv)
+  add_lora(0, qkv, h);
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_q_heads + hkv, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, D});
   rope_store_kv(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
   const at::Tensor attn = decode_attention(qk.narrow(1, 0, num_q_heads), k_cache, v_cache, block_tables, seq_ids,
-                                           seq_lens, scale, window);
-  const at::Tensor o = panel_linear(attn.view({T, q_size}), o_w, o_s, ns[1], none);
+                                           seq_lens, scale, window).view({T, q_size});
+  at::Tensor o = panel_linear(attn, o_w, o_s, ns[1], none);
+  add_lora(1, o, attn);
   const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
-  const at::Tensor act = silu_mul(panel_linear(h2, gate_up_w, gate_up_s, ns[2], none));
-  return add_rms_norm(x, panel_linear(act, down_w, down_s, ns[3], none), next_norm, eps);
+  at::Tensor gate_up = panel_linear(h2, gate_up_w, gate_up_s, ns[2], none);
+  add_lora(2, gate_up, h2);
+  const at::Tensor act = silu_mul(gate_up);
+  at::Tensor down = panel_linear(act, down_w, down_s, ns[3], none);
+  add_lora(3, down, act);
+  return add_rms_norm(x, down, next_norm, eps);
 }
 
 }  // namespace
@@ -1510,7 +1543,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
-        "Tensor block_tables, Tensor seq_ids, Tensor seq_lens, int num_q_heads, float scale, int window) -> Tensor");
+        "Tensor block_tables, Tensor seq_ids, Tensor seq_lens, int num_q_heads, float scale, int window, "
+        "Tensor[] lora, int[] lora_groups, Tensor? token_slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {

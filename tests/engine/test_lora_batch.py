@@ -82,3 +82,35 @@ def test_bf16_mixed_batch_stays_close_to_fp32(four_adapters):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
         results[dtype] = torch.tensor([[v for _, v in o.outputs[0].logprobs[0].top] for o in outs])
     assert (results["float32"] - results["bfloat16"]).abs().max().item() < 0.15
+
+
+def test_the_native_decode_layer_adds_the_same_lora_deltas_as_op_by_op(four_adapters):
+    """All-decode steps with adapters run each layer as one native call (decode_layer, its LoRA adds
+    included): the same logprobs, to the bit, as the Python layer loop on the same mixed batch."""
+    from kernels import native_cpu
+
+    ops = native_cpu.ops()
+    if ops is None or not ops.has_f32_linear():
+        pytest.skip("the native decode layer needs the AVX-512 panels")
+    model_dir, _, refs = four_adapters
+    names = list(refs)
+    adapters = [names[i % 4] for i in range(6)] + [None]
+    prompts = random_prompts(600, [3, 40, 17, 9, 8, 33, 21], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(model_dir, num_kv_blocks=96, max_loras=4, max_lora_rank=64, max_num_batched_tokens=256)
+        for name, ref in refs.items():
+            llm.load_adapter(name, ref.path)
+        model = llm.engine.runner.model
+        native, calls = model._decode_layer, []
+
+        def counted(*args, native=native, calls=calls):
+            calls.append(len(args[-3]))  # the LoRA operands passed
+            return native(*args)
+
+        model._decode_layer = counted if fused else None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
+        runs.append([(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs])
+        assert (fused and any(calls)) or (not fused and not calls)  # adapters went through the native layer
+    assert runs[0] == runs[1]
