@@ -47,6 +47,8 @@ class LoRAStepContext:
         group the slice count (0 where no active slot adapts it) then its slice widths, and the four
         operands of each adapted group (kernels.lora_cpu.native_operands). None where the native kernel
         would not run a group: the layer then runs op by op."""
+        if self.meta.token_slots.dtype != torch.int32:
+            return None
         tensors: list[torch.Tensor] = []
         groups: list[int] = []
         for group in GROUP_PROJECTIONS:

@@ -22,6 +22,12 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).
     silu_mul(x) -> (rows, I)
         Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
+    bf16_linear / f32_linear / int8_linear / int4_linear, lora_add
+        The panel GEMMs and the batched LoRA add: semantics in kernels.dense_cpu and kernels.lora_cpu.
+    decode_layer(x, h, <the layer's projections>, ..., lora operands) -> next h
+        Semantics: one decoder layer of an all-decode step, exactly the ops above in the order
+        engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds
+        included: one Python call per layer instead of nine to thirteen.
 
 Built with the host's compiler flags (`-march=native`) into LORAPLEX_NATIVE_DIR (default
 ~/.cache/loraplex/native), under a name that hashes the source, the flags, torch's version and the CPU's

@@ -4,7 +4,8 @@
 //   decode_attention   paged attention of one query token per sequence, reading keys and values in
 //                      place through the block table (the torch path gathers them into a copy first)
 //   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 16 queries x
-//                      16 keys, online softmax, keys transposed once per block (AVX-512 only)
+//                      32 keys (16 at head_dim 128), online softmax, keys transposed once per block
+//                      (bf16: as k pairs for bf16 dot products; AVX-512 only)
 //   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
 //   silu_mul           silu(x[:, :I]) * x[:, I:] of a fused gate/up projection
 //   rope_store_kv      rotate q and k in place (rotate-half RoPE), then write k and v into their cache slots
@@ -413,7 +414,6 @@ inline __m512 exp16(__m512 x) {
 }
 
 constexpr int kPrefillRows = 16;  // queries per work item
-constexpr int kPrefillKeys = 16;  // keys per block (one zmm of scores)
 
 // Rows [i0, i1) of one kv head's G query heads: out = softmax(q K^T) V over keys lo(row) .. pos(row).
 template <typename Q, typename KV, int C>
@@ -421,6 +421,13 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
                   int64_t block_stride, int64_t slot_stride, const int32_t* table, int64_t block_size, int64_t start,
                   int64_t i0, int64_t i1, int64_t h, int64_t G, float scale, int64_t window) {
   constexpr int D = 16 * C;
+  // bf16 q and keys: scores by bf16 dot products over keys transposed as k pairs (q as it is, the scale
+  // applied to the scores); otherwise fp32 FMAs over keys widened once, q pre-scaled
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<Q, bf16> && std::is_same_v<KV, bf16>;
+#else
+  constexpr bool kPairs = false;
+#endif
   const int64_t rows = i1 - i0;
   alignas(64) float qf[kMaxGroup][kPrefillRows][D];
   alignas(64) float acc[kMaxGroup][kPrefillRows][D];
@@ -431,60 +438,109 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < rows; ++r) {
       const Q* src = qp + (i0 + r) * qs0 + (h * G + g) * qs1;
-      for (int d = 0; d < D; ++d) qf[g][r][d] = to_f(src[d]) * scale;
+      if constexpr (kPairs) {
+        std::memcpy(&qf[g][r][0], src, D * sizeof(bf16));  // the first D / 2 floats hold the D bf16 as pairs
+      } else {
+        for (int d = 0; d < D; ++d) qf[g][r][d] = to_f(src[d]) * scale;
+      }
       for (int d = 0; d < D; ++d) acc[g][r][d] = 0.f;
       m[g][r] = -std::numeric_limits<float>::infinity();
       l[g][r] = 0.f;
     }
   const int64_t last = start + i1 - 1;  // the block's last query position: keys up to it
   const int64_t first_lo = window > 0 ? std::max<int64_t>(0, start + i0 - window + 1) : 0;
-  alignas(64) float kt[D][kPrefillKeys];
-  alignas(64) float vf[kPrefillKeys][D];
+  // keys per block: 32 (two zmm of scores) at head_dim 64, so each row's softmax bookkeeping (max, sum,
+  // rescale) runs once per 32 keys; 16 at 128 (the block's keys and values then still fit in L1)
+  constexpr int NV = C == 4 ? 2 : 1;
+  constexpr int KB = 16 * NV;
+  alignas(64) float kt[D][KB];  // kPairs: rows [0, D / 2) hold k pairs (2 bf16 in a float's bits)
+  alignas(64) float vf[KB][D];  // bf16 values widened once (fp32 values are read in place)
+  const float* vrow[KB];
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  (void)i1;
-  for (int64_t j0 = first_lo; j0 <= last; j0 += kPrefillKeys) {
-    const int64_t nk = std::min<int64_t>(kPrefillKeys, last + 1 - j0);
-    for (int64_t j = 0; j < kPrefillKeys; ++j) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
+    const int64_t nk = std::min<int64_t>(KB, last + 1 - j0);
+    for (int64_t j = 0; j < KB; ++j) {
       if (j < nk) {
         const int64_t pos = j0 + j;
         const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
-        for (int d = 0; d < D; ++d) kt[d][j] = to_f(k_base[slot + d]);
-        for (int d = 0; d < D; ++d) vf[j][d] = to_f(v_base[slot + d]);
+        if constexpr (kPairs) {
+          for (int d2 = 0; d2 < D / 2; ++d2) std::memcpy(&kt[d2][j], k_base + slot + 2 * d2, 2 * sizeof(bf16));
+        } else {
+          for (int d = 0; d < D; ++d) kt[d][j] = to_f(k_base[slot + d]);
+        }
+        if constexpr (std::is_same_v<KV, float>) {
+          vrow[j] = v_base + slot;
+        } else {
+          for (int d = 0; d < D; ++d) vf[j][d] = to_f(v_base[slot + d]);
+          vrow[j] = vf[j];
+        }
       } else {
-        for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
-        for (int d = 0; d < D; ++d) vf[j][d] = 0.f;
+        for (int d = 0; d < (kPairs ? D / 2 : D); ++d) kt[d][j] = 0.f;
       }
     }
-    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)), lane);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: 4 independent FMA chains per score
+    __m512i keys[NV];
+    for (int v = 0; v < NV; ++v) keys[v] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)), lane);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: 4 x NV independent chains per score
       const int64_t nr = std::min<int64_t>(4, rows - r0);
       if (j0 > start + i0 + r0 + nr - 1) continue;  // every key of the block is in these rows' future
       for (int64_t g = 0; g < G; ++g) {
-        __m512 sc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int d = 0; d < D; ++d) {
-          const __m512 kd = _mm512_load_ps(kt[d]);
-          for (int u = 0; u < 4; ++u) sc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][r0 + u][d]), kd, sc[u]);
+        __m512 sc[4][NV];
+        for (int u = 0; u < 4; ++u)
+          for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_setzero_ps();
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          for (int d2 = 0; d2 < D / 2; ++d2) {
+            __m512bh kd[NV];
+            for (int v = 0; v < NV; ++v) kd[v] = (__m512bh)_mm512_load_si512(kt[d2] + 16 * v);
+            for (int u = 0; u < 4; ++u) {
+              const __m512bh qd = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(qf[g][r0 + u][d2]));
+              for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_dpbf16_ps(sc[u][v], qd, kd[v]);
+            }
+          }
+          for (int u = 0; u < 4; ++u)
+            for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_mul_ps(sc[u][v], _mm512_set1_ps(scale));
+#endif
+        } else {
+          for (int d = 0; d < D; ++d) {
+            __m512 kd[NV];
+            for (int v = 0; v < NV; ++v) kd[v] = _mm512_load_ps(kt[d] + 16 * v);
+            for (int u = 0; u < 4; ++u) {
+              const __m512 qd = _mm512_set1_ps(qf[g][r0 + u][d]);
+              for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_fmadd_ps(qd, kd[v], sc[u][v]);
+            }
+          }
         }
         for (int64_t u = 0; u < nr; ++u) {
           const int64_t r = r0 + u, pos = start + i0 + r;
           const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-          if (j0 > pos || j0 + kPrefillKeys <= lo) continue;  // no key of the block is visible to this row
-          __mmask16 valid = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(pos)));
-          valid &= _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(lo)));
-          const __m512 s_row = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sc[u]);
-          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(s_row));
+          if (j0 > pos || j0 + KB <= lo) continue;  // no key of the block is visible to this row
+          __m512 s_row[NV];
+          __mmask16 valid[NV];
+          __m512 mx = neg_inf;
+          for (int v = 0; v < NV; ++v) {
+            valid[v] = _mm512_cmple_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(pos)));
+            valid[v] &= _mm512_cmpge_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(lo)));
+            s_row[v] = _mm512_mask_blend_ps(valid[v], neg_inf, sc[u][v]);
+            mx = _mm512_max_ps(mx, s_row[v]);
+          }
+          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));
           const float corr = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
-          const __m512 pr = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s_row, _mm512_set1_ps(m_new))));
-          l[g][r] = l[g][r] * corr + _mm512_reduce_add_ps(pr);
+          alignas(64) float pj[KB];
+          __m512 psum = _mm512_setzero_ps();
+          for (int v = 0; v < NV; ++v) {
+            const __m512 pr = _mm512_maskz_mov_ps(valid[v], exp16(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new))));
+            psum = _mm512_add_ps(psum, pr);
+            _mm512_store_ps(pj + 16 * v, pr);
+          }
+          l[g][r] = l[g][r] * corr + _mm512_reduce_add_ps(psum);
           m[g][r] = m_new;
-          alignas(64) float pj[kPrefillKeys];
-          _mm512_store_ps(pj, pr);
           __m512 a[C];
           const __m512 cv = _mm512_set1_ps(corr);
           for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[g][r] + 16 * c), cv);
           for (int64_t j = 0; j < nk; ++j) {
             const __m512 pv = _mm512_set1_ps(pj[j]);
-            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_load_ps(vf[j] + 16 * c), a[c]);
+            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vrow[j] + 16 * c), a[c]);
           }
           for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g][r] + 16 * c, a[c]);
         }
