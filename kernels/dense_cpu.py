@@ -151,12 +151,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     assert _INT8_LINEAR is not None, "int8 panels are only made where the native ops run"
     if x.dim() == 2 and x.stride(1) == 1 and bias is None:
         return _INT8_LINEAR(x, qweight, scales, None)
-    lead, k = x.shape[:-1], qweight.shape[1] * 2
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    return _INT8_LINEAR(x2, qweight, scales, b).view(*lead, scales.shape[0])
+    x2, b = _rows(x, qweight.shape[1] * 2), _bias(bias)
+    return _INT8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,
@@ -169,12 +165,18 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tenso
     Semantics: the reference is F.linear(x.float(), dequantize(w) in fp32, bias), rounded to bf16.
     """
     assert _INT4_LINEAR is not None, "int4 panels are only made where the native ops run"
-    lead, k = x.shape[:-1], qweight.shape[1] * 4
+    x2, b = _rows(x, qweight.shape[1] * 4), _bias(bias)
+    return _INT4_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as (rows, K) with contiguous rows: the native kernels' activation operand."""
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    return _INT4_LINEAR(x2, qweight, scale_zeros, b).view(*lead, scale_zeros.shape[1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.float().contiguous()
 
 
 def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,13 +194,8 @@ def linear(x: torch.Tensor, w: PackedDense, bias: torch.Tensor | None = None) ->
     if w.layout == "panels":
         ops = native_cpu.ops()
         assert ops is not None, "panels are only made where the native ops run"
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, w.shape[1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        b = None if bias is None else bias.float().contiguous()
         kernel = ops.bf16_linear if w.dtype == torch.bfloat16 else ops.f32_linear
-        return kernel(x2, w.packed, w.shape[0], b).view(*lead, w.shape[0])
+        return kernel(_rows(x, w.shape[1]), w.packed, w.shape[0], _bias(bias)).view(*x.shape[:-1], w.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
 
 
