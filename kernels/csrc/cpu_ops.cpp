@@ -1032,6 +1032,10 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const
 // compute: at 7+ rows a bf16 group's first tile would otherwise wait on memory (its weights arrive slower
 // than it uses them) while the later tiles find them in cache. (fp32 at those sizes is bound by its FMAs:
 // no gain there, measured.)
+struct NoPrefetch {  // one tile of rows: nothing to fetch ahead (the tile's loop keeps no check)
+  inline void step() {}
+};
+
 struct Prefetcher {
   const char* cur = nullptr;
   const char* end = nullptr;
@@ -1076,10 +1080,10 @@ inline __m512i panel_pairs(const void* panel, int64_t k2) {
 }
 
 // out[i, 16 (p0 + j) + c] = (sum_k x[i, k] W[16 (p0 + j) + c, k]) * scale + bias, MR rows x NR panels.
-template <int MR, int NR, bool I8>
+template <int MR, int NR, bool I8, class PF>
 inline void bf16_tile(const uint16_t* __restrict x, int64_t xs, const void* __restrict w, int64_t K2, int64_t p0,
                       int64_t N, uint16_t* __restrict out, int64_t os, const float* __restrict scale,
-                      const float* __restrict bias, Prefetcher& pf) {
+                      const float* __restrict bias, PF& pf) {
   constexpr int64_t panel_bytes_per_k2 = I8 ? 32 : 64;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -1110,14 +1114,14 @@ inline void bf16_tile(const uint16_t* __restrict x, int64_t xs, const void* __re
   }
 }
 
-template <int MR, bool I8>
+template <int MR, bool I8, class PF>
 void bf16_tile_nr(int nr, const uint16_t* x, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t N,
-                  uint16_t* out, int64_t os, const float* scale, const float* bias, Prefetcher& pf) {
+                  uint16_t* out, int64_t os, const float* scale, const float* bias, PF& pf) {
   switch (nr) {
-    case 4: bf16_tile<MR, 4, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 3: bf16_tile<MR, 3, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 2: bf16_tile<MR, 2, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    default: bf16_tile<MR, 1, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
+    case 4: bf16_tile<MR, 4, I8, PF>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
+    case 3: bf16_tile<MR, 3, I8, PF>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
+    case 2: bf16_tile<MR, 2, I8, PF>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
+    default: bf16_tile<MR, 1, I8, PF>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
   }
 }
 
@@ -1128,20 +1132,20 @@ constexpr int64_t kRowsPerTile = 6;
 
 #if defined(__AVX512BF16__)
 // Rows [0, M) of panels p0 .. p0 + nr - 1, kRowsPerTile rows per tile.
-template <bool I8>
+template <bool I8, class PF>
 void bf16_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t n,
-               uint16_t* op, int64_t os, const float* scale, const float* bias, Prefetcher& pf) {
+               uint16_t* op, int64_t os, const float* scale, const float* bias, PF& pf) {
   for (int64_t m = 0; m < M; m += kRowsPerTile) {
     const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
     const uint16_t* xr = xp + m * xs;
     uint16_t* orow = op + m * os;
     switch (mr) {
-      case 6: bf16_tile_nr<6, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 5: bf16_tile_nr<5, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 4: bf16_tile_nr<4, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 3: bf16_tile_nr<3, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 2: bf16_tile_nr<2, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      default: bf16_tile_nr<1, I8>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
+      case 6: bf16_tile_nr<6, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
+      case 5: bf16_tile_nr<5, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
+      case 4: bf16_tile_nr<4, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
+      case 3: bf16_tile_nr<3, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
+      case 2: bf16_tile_nr<2, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
+      default: bf16_tile_nr<1, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
     }
   }
 }
@@ -1166,12 +1170,19 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n
       const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
       // the next group of this thread's panels, while several tiles compute this one (with one tile the
       // hardware prefetcher streams the weights better alone: measured)
-      const int64_t next = tiles > 1 ? std::min<int64_t>(kPanelsPerTile, end - p0 - nr) : 0;
+      if (tiles == 1) {
+        NoPrefetch none;
+        if (i8) {
+          bf16_rows<true>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
+        } else {
+          bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
+        }
+        continue;
+      }
+      const int64_t next = std::min<int64_t>(kPanelsPerTile, end - p0 - nr);
       Prefetcher pf(static_cast<const char*>(wp) + (p0 + nr) * panel_bytes, next * panel_bytes, tiles * K2);
       if (!i8) {
         bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, pf);
-      } else if (M <= kRowsPerTile) {
-        bf16_rows<true>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, pf);
       } else {
         widened.resize(static_cast<size_t>(nr * K2 * 32));
         const int8_t* src = static_cast<const int8_t*>(wp) + p0 * K2 * 32;
