@@ -10,6 +10,7 @@ Every projection (and an untied lm_head) is a dense tensor or a weight-only quan
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
-from kernels import dense_cpu, native_cpu
+from kernels import dense_cpu, hugepages, native_cpu
 from kernels.attention import StepAttentionPlan, paged_attention, write_kv
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, silu_mul
 from kernels.lora_meta import LoRABatchMeta
@@ -151,6 +152,8 @@ class LlamaModel:
             ))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
         self.scale = cfg.head_dim**-0.5
+        if torch.device(device).type == "cpu":
+            self._weights_to_huge_pages()
         self._decode_layer: Any = None  # torch.ops.loraplex_cpu.decode_layer where every layer has decode_args
         if not cfg.qk_norm:
             for layer in self.layers:
@@ -158,6 +161,44 @@ class LlamaModel:
             ops = native_cpu.ops() if all(layer.decode_args is not None for layer in self.layers) else None
             if ops is not None:
                 self._decode_layer = ops.decode_layer.default
+
+    def _weights_to_huge_pages(self) -> None:
+        """Move what a decode step streams (the projections, a tied or packed lm_head) into one huge-page
+        arena (kernels.hugepages); weights in oneDNN's opaque layout stay where they are."""
+
+        def movable(w: Weight) -> list[torch.Tensor]:
+            if isinstance(w, dense_cpu.PackedDense):
+                return [w.packed] if w.layout == "panels" else []
+            if isinstance(w, Int8Weight):
+                return [w.qweight, w.scales]
+            if isinstance(w, Int4Weight):
+                return [w.qweight, w.scale_zeros]
+            return [w] if w.is_contiguous() else []
+
+        def moved(w: Weight, arena: hugepages.Arena) -> Weight:
+            if isinstance(w, dense_cpu.PackedDense):
+                return dataclasses.replace(w, packed=arena.put(w.packed)) if w.layout == "panels" else w
+            if isinstance(w, Int8Weight):
+                return dataclasses.replace(w, qweight=arena.put(w.qweight), scales=arena.put(w.scales))
+            if isinstance(w, Int4Weight):
+                return dataclasses.replace(w, qweight=arena.put(w.qweight), scale_zeros=arena.put(w.scale_zeros))
+            return arena.put(w) if w.is_contiguous() else w
+
+        names = ("qkv", "o", "gate_up", "down")
+        head = [self.lm_head]
+        total = sum(hugepages.Arena.footprint(t) for layer in self.layers for name in names
+                    for t in movable(getattr(layer, name)))
+        total += sum(hugepages.Arena.footprint(t) for w in head for t in movable(w))
+        arena = hugepages.make_arena(total)
+        if arena is None:
+            return
+        for layer in self.layers:
+            for name in names:
+                setattr(layer, name, moved(getattr(layer, name), arena))
+        tied = self.embed is self.lm_head
+        self.lm_head = moved(self.lm_head, arena)
+        if tied:
+            self.embed = self.lm_head  # type: ignore[assignment]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,51 @@
+"""The huge-page arena the CPU model's weights move into (kernels.hugepages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import hugepages
+
+
+def test_the_arena_holds_exact_copies_on_cache_lines():
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here (or LORAPLEX_CPU_HUGEPAGES=0)")
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).bfloat16(),
+               torch.randint(-127, 127, (4, 9), generator=g, dtype=torch.int8), torch.randn(33, 2, generator=g)]
+    arena = hugepages.make_arena(sum(hugepages.Arena.footprint(t) for t in tensors))
+    assert arena is not None
+    copies = [arena.put(t) for t in tensors]
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t)
+        assert c.data_ptr() % hugepages.ALIGN == 0 and c.data_ptr() != t.data_ptr()
+    with pytest.raises(ValueError, match="full"):
+        arena.put(torch.zeros(hugepages.HUGE_PAGE))
+    del arena
+    assert torch.equal(copies[0], tensors[0])  # a copy keeps the region alive
+
+
+def test_switched_off_nothing_is_allocated(monkeypatch):
+    monkeypatch.setenv(hugepages.HUGEPAGES_ENV, "0")
+    assert hugepages.make_arena(1 << 20) is None
+
+
+def test_the_model_streams_its_projections_from_the_arena(llama_dir, monkeypatch):
+    """Same greedy tokens with the weights moved and left in place; moved ones live in one region."""
+    from engine import LLM, SamplingParams
+
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here")
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31, 7]}, {"prompt_token_ids": list(range(40, 80))}]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    moved = LLM(llama_dir, num_kv_blocks=32)
+    want = [o.outputs[0].token_ids for o in moved.generate(prompts, params)]
+    layers = moved.engine.runner.model.layers
+    packed = [getattr(layer.qkv, "packed", None) for layer in layers]
+    if all(isinstance(p, torch.Tensor) for p in packed):  # panels: in one arena, in order
+        ptrs = [p.data_ptr() for p in packed]
+        assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < 64 << 20
+    monkeypatch.setenv(hugepages.HUGEPAGES_ENV, "0")
+    kept = LLM(llama_dir, num_kv_blocks=32)
+    assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == want
