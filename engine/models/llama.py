@@ -163,26 +163,24 @@ class LlamaModel:
                 self._decode_layer = ops.decode_layer.default
 
     def _weights_to_huge_pages(self) -> None:
-        """Move what a decode step streams (the projections, a tied or packed lm_head) into one huge-page
-        arena (kernels.hugepages); weights in oneDNN's opaque layout stay where they are."""
+        """Move what a decode step streams (the projections and the lm_head, in native panels: tensors made
+        here, owned by the model alone) into one huge-page arena (kernels.hugepages); other weights stay."""
 
         def movable(w: Weight) -> list[torch.Tensor]:
             if isinstance(w, dense_cpu.PackedDense):
                 return [w.packed] if w.layout == "panels" else []
-            if isinstance(w, Int8Weight):
-                return [w.qweight, w.scales]
-            if isinstance(w, Int4Weight):
-                return [w.qweight, w.scale_zeros]
-            return [w] if w.is_contiguous() else []
+            if isinstance(w, Int8Weight | Int4Weight) and w.layout == "panels":
+                return [w.qweight, w.scales if isinstance(w, Int8Weight) else w.scale_zeros]
+            return []  # plain tensors may be the loader's own (or a file's mapping): not copied
 
         def moved(w: Weight, arena: hugepages.Arena) -> Weight:
             if isinstance(w, dense_cpu.PackedDense):
                 return dataclasses.replace(w, packed=arena.put(w.packed)) if w.layout == "panels" else w
-            if isinstance(w, Int8Weight):
+            if isinstance(w, Int8Weight) and w.layout == "panels":
                 return dataclasses.replace(w, qweight=arena.put(w.qweight), scales=arena.put(w.scales))
-            if isinstance(w, Int4Weight):
+            if isinstance(w, Int4Weight) and w.layout == "panels":
                 return dataclasses.replace(w, qweight=arena.put(w.qweight), scale_zeros=arena.put(w.scale_zeros))
-            return arena.put(w) if w.is_contiguous() else w
+            return w
 
         names = ("qkv", "o", "gate_up", "down")
         head = [self.lm_head]
