@@ -4,8 +4,9 @@ A decode step reads every weight once. With 4 KB pages that is a TLB miss every 
 a 110 M-parameter bf16 model); with 2 MB pages, ~110. Linux backs anonymous memory with huge pages where
 the region asks for them (`madvise(MADV_HUGEPAGE)`, honoured in THP's default "madvise" mode), so the
 model's tensors are copied into one such region and used from there. Measured in one process on this
-repository's bench model (2-core AMD EPYC, batch 1, 4 x 30 alternating steps): bf16 11.4-11.9 -> 8.7-10.4
-ms a step, fp32 18.9-19.8 -> 15.1-18.9.
+repository's bench model (2-core AMD EPYC, batch 1, the projections copied to huge pages or not, 4 x 30
+alternating steps, min-median): bf16 11.4-11.9 -> 8.7-11.0 ms a step over two runs, fp32 18.9-19.8 ->
+15.1-18.9 in one.
 
 Where the OS has no huge pages (THP "never", not Linux) the region is ordinary memory: same speed as
 before, never wrong. LORAPLEX_CPU_HUGEPAGES=0 keeps the tensors where they are. engine.models.llama

@@ -11,6 +11,7 @@ Every projection (and an untied lm_head) is a dense tensor or a weight-only quan
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -166,35 +167,32 @@ class LlamaModel:
         """Move what a decode step streams (the projections and the lm_head, in native panels: tensors made
         here, owned by the model alone) into one huge-page arena (kernels.hugepages); other weights stay."""
 
-        def movable(w: Weight) -> list[torch.Tensor]:
-            if isinstance(w, dense_cpu.PackedDense):
-                return [w.packed] if w.layout == "panels" else []
-            if isinstance(w, Int8Weight | Int4Weight) and w.layout == "panels":
-                return [w.qweight, w.scales if isinstance(w, Int8Weight) else w.scale_zeros]
-            return []  # plain tensors may be the loader's own (or a file's mapping): not copied
-
-        def moved(w: Weight, arena: hugepages.Arena) -> Weight:
-            if isinstance(w, dense_cpu.PackedDense):
-                return dataclasses.replace(w, packed=arena.put(w.packed)) if w.layout == "panels" else w
+        def moved(w: Weight, put: Callable[[torch.Tensor], torch.Tensor]) -> Weight:
+            if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels":
+                return dataclasses.replace(w, packed=put(w.packed))
             if isinstance(w, Int8Weight) and w.layout == "panels":
-                return dataclasses.replace(w, qweight=arena.put(w.qweight), scales=arena.put(w.scales))
+                return dataclasses.replace(w, qweight=put(w.qweight), scales=put(w.scales))
             if isinstance(w, Int4Weight) and w.layout == "panels":
-                return dataclasses.replace(w, qweight=arena.put(w.qweight), scale_zeros=arena.put(w.scale_zeros))
-            return w
+                return dataclasses.replace(w, qweight=put(w.qweight), scale_zeros=put(w.scale_zeros))
+            return w  # plain tensors may be the loader's own (or a file's mapping): not copied
 
         names = ("qkv", "o", "gate_up", "down")
-        head = [self.lm_head]
-        total = sum(hugepages.Arena.footprint(t) for layer in self.layers for name in names
-                    for t in movable(getattr(layer, name)))
-        total += sum(hugepages.Arena.footprint(t) for w in head for t in movable(w))
-        arena = hugepages.make_arena(total)
+        sizes: list[int] = []
+
+        def measure(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(hugepages.Arena.footprint(t))
+            return t
+
+        for w in [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]:
+            moved(w, measure)
+        arena = hugepages.make_arena(sum(sizes))
         if arena is None:
             return
         for layer in self.layers:
             for name in names:
-                setattr(layer, name, moved(getattr(layer, name), arena))
+                setattr(layer, name, moved(getattr(layer, name), arena.put))
         tied = self.embed is self.lm_head
-        self.lm_head = moved(self.lm_head, arena)
+        self.lm_head = moved(self.lm_head, arena.put)
         if tied:
             self.embed = self.lm_head  # type: ignore[assignment]
 
