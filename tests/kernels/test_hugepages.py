@@ -41,11 +41,14 @@ def test_the_model_streams_its_projections_from_the_arena(llama_dir, monkeypatch
     params = SamplingParams(max_tokens=10, temperature=0.0)
     moved = LLM(llama_dir, num_kv_blocks=32)
     want = [o.outputs[0].token_ids for o in moved.generate(prompts, params)]
-    layers = moved.engine.runner.model.layers
-    packed = [getattr(layer.qkv, "packed", None) for layer in layers]
-    if all(isinstance(p, torch.Tensor) for p in packed):  # panels: in one arena, in order
-        ptrs = [p.data_ptr() for p in packed]
-        assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < 64 << 20
+    model = moved.engine.runner.model
+    panels = [w.packed for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+              if getattr(w, "layout", None) == "panels"]
+    if panels:  # native panels (AVX-512 machines): every one is a view of the one arena
+        assert len({p.untyped_storage().data_ptr() for p in panels}) == 1
     monkeypatch.setenv(hugepages.HUGEPAGES_ENV, "0")
     kept = LLM(llama_dir, num_kv_blocks=32)
+    kept_panels = [layer.qkv.packed for layer in kept.engine.runner.model.layers
+                   if getattr(layer.qkv, "layout", None) == "panels"]
+    assert len({p.untyped_storage().data_ptr() for p in kept_panels}) == len(kept_panels)  # left in place
     assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == want
