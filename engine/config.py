@@ -22,7 +22,7 @@ from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public c
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # None: 4 * max_loras
     seed: int = 0
-    # Weight-only quantization at load (engine.quantization): "none", "int8" (per output channel) or "int4"
-    # (group-wise). A GPTQ checkpoint runs as int4 either way.
+    # Quantization at load (engine.quantization): weight-only "int8" (per output channel) or "int4"
+    # (group-wise), or "w8a8" (int8 weights per output channel, activations rounded to int8 per token at
+    # each projection); "none". A GPTQ checkpoint runs as int4 either way.
     quantization: str = "none"
     quantization_group_size: int | None = None  # int4 only; None: the largest of 128/64/32 that fits the model
     # Decode steps through fixed-size buckets with persistent inputs (engine.decode_graph), replayed as CUDA

@@ -1,11 +1,13 @@
-"""Weight-only quantization at load: which scheme a model runs with, and pre-quantized GPTQ checkpoints.
+"""Quantization at load: which scheme a model runs with, and pre-quantized GPTQ checkpoints.
 
 Every linear layer is quantized: the seven projections of each decoder layer, and lm_head unless it is
 tied to the embedding table (the embedding lookup reads those rows, so a tied table stays in the
 activation dtype). Norms, biases and embeddings keep the activation dtype. The math and the kernels are
 in kernels.quant.
 
-- `--quantization int8 | int4` quantizes a full-precision checkpoint tensor by tensor as it is read.
+- `--quantization int8 | int4` quantizes a full-precision checkpoint tensor by tensor as it is read
+  (weight-only: the activations stay in their dtype); `w8a8` quantizes the weights as int8 does and has
+  every projection round its input rows to int8 (per token, dynamic scales) for int8 x int8 products.
 - A checkpoint whose config.json carries a GPTQ `quantization_config` (4-bit, groups in k order) loads as
   int4 whatever `--quantization` says (none or int4), its qweight/qzeros/scales repacked for the device.
   Every other variant is refused with one line naming what is unsupported.
@@ -37,8 +39,8 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus one; v2 st
 class QuantizationSpec:
     """How this model's linear weights are held. `source`: quantized here at load, or read from GPTQ."""
 
-    method: Literal["int8", "int4"]
-    group_size: int | None  # int4: per group of in_features; None for int8 (per output channel)
+    method: Literal["int8", "int4", "w8a8"]  # w8a8: int8 weights, activations rounded to int8 per token
+    group_size: int | None  # int4: per group of in_features; None for int8 and w8a8 (per output channel)
     source: Literal["load", "gptq"] = "load"
     checkpoint_format: str = "gptq"  # GPTQ only
 
@@ -57,6 +59,8 @@ def resolve(config: EngineConfig, model_config: ModelConfig) -> QuantizationSpec
         return None
     if config.quantization == "int8":
         return QuantizationSpec("int8", None)
+    if config.quantization == "w8a8":
+        return QuantizationSpec("w8a8", None)
     features = sorted({model_config.hidden_size, model_config.q_size, model_config.intermediate_size})
     if config.quantization_group_size is not None:
         bad = [k for k in features if k % config.quantization_group_size]
@@ -80,8 +84,8 @@ def is_linear_weight(name: str, cfg: ModelConfig) -> bool:
 
 def quantize(weight: torch.Tensor, spec: QuantizationSpec, dtype: torch.dtype) -> QuantizedWeight:
     """Quantize one (N, K) full-precision weight as `spec` says; scales in the activation `dtype`."""
-    if spec.method == "int8":
-        return quantize_int8(weight, dtype)
+    if spec.method in ("int8", "w8a8"):
+        return quantize_int8(weight, dtype, "int8" if spec.method == "w8a8" else "float")
     group = spec.group_size
     if group is None or weight.shape[1] % group:  # an untied lm_head over hidden: the default always fits
         raise CheckpointError(f"int4 group size {group} does not divide in_features {weight.shape[1]}")
@@ -151,8 +155,8 @@ def _resolve_gptq(qc: Any, config: EngineConfig) -> QuantizationSpec:
     if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
         raise CheckpointError(f"{where}: GPTQ group_size {group!r} is not supported (supported: -1 or a "
                               "multiple of 32)")
-    if config.quantization == "int8":
-        raise CheckpointError(f"{config.model}: a 4-bit GPTQ checkpoint cannot run as int8; use "
+    if config.quantization in ("int8", "w8a8"):
+        raise CheckpointError(f"{config.model}: a 4-bit GPTQ checkpoint cannot run as {config.quantization}; use "
                               "--quantization none or int4")
     if config.quantization_group_size is not None and config.quantization_group_size != group:
         raise CheckpointError(f"{config.model}: the GPTQ checkpoint has group size {group}, not "

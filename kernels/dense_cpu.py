@@ -87,11 +87,13 @@ _BF16_LINEAR: Any = None  # the native ops' overloads, bound when the first pane
 _F32_LINEAR: Any = None
 _INT8_LINEAR: Any = None
 _INT4_LINEAR: Any = None
+_W8A8_LINEAR: Any = None
 
 
 def _bind(ops: Any) -> None:
-    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR, _INT4_LINEAR
+    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR, _INT4_LINEAR, _W8A8_LINEAR
     _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR = ops.bf16_linear.default, ops.f32_linear.default, ops.int8_linear.default
+    _W8A8_LINEAR = ops.w8a8_linear.default
     _INT4_LINEAR = ops.int4_linear.default
 
 
@@ -131,6 +133,35 @@ def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     return q.device.type == "cpu" and scales.dtype == torch.bfloat16 and bf16_panels_ready(q.shape[1])
 
 
+def can_pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether an int8 (N, K) weight with int8 activations goes to the native quads: on the CPU, bf16
+    scales (activations), K a multiple of 16, prepacking on and the native VNNI kernel built."""
+    if q.device.type != "cpu" or scales.dtype != torch.bfloat16 or q.shape[1] % 16:
+        return False
+    if os.environ.get(PREPACK_ENV, "1") == "0":
+        return False
+    ops = native_cpu.available_for(torch.empty(0, q.shape[1], dtype=torch.bfloat16))
+    if ops is None or not ops.has_w8a8_linear():
+        return False
+    _bind(ops)
+    return True
+
+
+def quads(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 -> (P, K / 4, 16, 4) uint8 of q + 128, 128 (q = 0) past N: 16 columns x 4 consecutive k
+    per 64-byte load, the unsigned operand of VPDPBUSD."""
+    n, k = q.shape
+    padded = torch.full((-(-n // PANEL) * PANEL, k), 128, dtype=torch.uint8, device=q.device)
+    padded[:n] = (q.to(torch.int16) + 128).to(torch.uint8)
+    return padded.view(-1, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def unquads(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The (N, K) int8 matrix of `quads`' output."""
+    rows = packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 4)[:n]
+    return (rows.to(torch.int16) - 128).to(torch.int8)
+
+
 def bf16_panels_ready(k: int) -> bool:
     """Whether quantized weights of K inputs go to native panels read with bf16 activations: prepacking on
     (LORAPLEX_CPU_PREPACK) and the native bf16 panel kernel built for this CPU."""
@@ -153,6 +184,18 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return _INT8_LINEAR(x, qweight, scales, None)
     x2, b = _rows(x, qweight.shape[1] * 2), _bias(bias)
     return _INT8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (round_rows_int8(x) @ q.T) * scales + bias over quads (bf16 x): each row of x rounded to int8
+    here (kernels.quant.round_rows_int8), exact int32 sums, one fp32 scaling, y rounded to bf16.
+
+    Semantics: the reference is kernels.quant.linear_ref of an int8-activation Int8Weight.
+    """
+    assert _W8A8_LINEAR is not None, "quads are only made where the native ops run"
+    x2, b = _rows(x, qweight.shape[1] * 4), _bias(bias)
+    return _W8A8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,

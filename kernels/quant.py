@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers: int8 per output channel, int4 group-wise, activations unquantized.
+"""Quantized linear layers: int8 per output channel, int4 group-wise, weight-only (activations unquantized),
+and int8 weights with int8 activations rounded per token (W8A8).
 
 The matrices and their layouts are in kernels.quant_weights (W[n, k] = q[n, k] * scale[n] for int8,
 (q[n, k] - 8) * scale[g, n] + zero[g, n] for int4). `linear(x, w, bias)` is the model's one entry for every
@@ -11,6 +12,9 @@ on the host; `place` then moves a weight to its device in the layout that device
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +34,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel and the Triton 
 Weight = torch.Tensor | QuantizedWeight | PackedDense  # what a model's projection holds
 __all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "PackedDense", "QuantizedWeight", "Weight", "concat",
            "dequantize", "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place",
-           "quantize_int4", "quantize_int8"]
+           "quantize_int4", "quantize_int8", "round_rows_int8"]
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +45,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         x: (T, K) activation dtype, bias: (N,) or None -> y: (T, N) in x's dtype. A quantized W is read in
         x's dtype (on the CPU, bf16 activations use torch's packed int8/int4 kernels or a bf16 dequantized
         copy; fp32 and fp16 a dequantized copy in their dtype; on CUDA the Triton kernel sums in fp32), so y
-        agrees with `linear_ref` to that dtype's rounding.
+        agrees with `linear_ref` to that dtype's rounding. An int8 W with int8 activations (W8A8) reads
+        x rounded to int8 per row instead (kernels.quant_weights.Int8Weight; the CPU's VNNI kernel on
+        quads, else the rounded rows through the weight-only path).
     """
     if isinstance(w, PackedDense):
         return dense_cpu.linear(x, w, bias)
@@ -49,6 +55,16 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w, bias)
     if x.dtype != _scales(w).dtype:
         raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {_scales(w).dtype}")
+    if isinstance(w, Int8Weight) and w.activations == "int8" and w.layout != "quads":
+        # No int8 x int8 kernel for this layout: the rounded rows (integers, exact in any float dtype)
+        # through the weight-only kernel, then each row's scale.
+        qx, sx = round_rows_int8(x)
+        y = _weight_only(qx.to(x.dtype), dataclasses.replace(w, activations="float"), None).float() * sx[..., None]
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return _weight_only(x, w, bias)
+
+
+def _weight_only(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if x.is_cuda:
         from kernels import quant_triton
 
@@ -57,7 +73,15 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 
 def linear_ref(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference twin of `linear` (same Semantics): an fp32 matmul over `dequantize(w)`."""
+    """Torch reference twin of `linear` (same Semantics): an fp32 matmul over `dequantize(w)` (and, for
+    int8 activations, over `round_rows_int8(x)` dequantized; exact integer sums, in float64)."""
+    if isinstance(w, Int8Weight) and w.activations == "int8":
+        qx, sx = round_rows_int8(x)
+        acc = (qx.double() @ int8_rows(w).double().T).float()
+        y = acc * (sx[:, None] * w.scales.float()[None, :])
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
     y = x.float() @ dequantize(w).T
     if bias is not None:
         y = y + bias.float()
@@ -75,7 +99,19 @@ def dequantize(w: QuantizedWeight | PackedDense, dtype: torch.dtype = torch.floa
 
 def int8_rows(w: Int8Weight) -> torch.Tensor:
     """(N, K) int8: the values q[n, k] of w, whatever its layout."""
+    if w.layout == "quads":
+        return dense_cpu.unquads(w.qweight, w.shape[0])
     return dense_cpu.unpanel(w.qweight, w.shape[0]) if w.layout == "panels" else w.qweight
+
+
+def round_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of (T, K) x rounded to int8 with its own scale: qx = rne(x * (127 / max |x[t]|)) in -127..127
+    (all-zero rows: 0) and sx[t] = max |x[t]| / 127, so x ~ qx * sx. fp32, in the native kernel's order of
+    operations (one division, one product, one rounding), so both give the same qx: (qx float32, sx)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[..., None]), amax / 127
 
 
 def int4_values(w: Int4Weight) -> torch.Tensor:
@@ -87,12 +123,13 @@ def int4_values(w: Int4Weight) -> torch.Tensor:
     return nibble_values(w.qweight)
 
 
-def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
-    """Round (N, K) w to int8 with one scale per row: scale = max |w[n]| / 127, stored in `dtype`."""
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype, activations: Literal["float", "int8"] = "float") -> Int8Weight:
+    """Round (N, K) w to int8 with one scale per row: scale = max |w[n]| / 127, stored in `dtype`;
+    `activations`: what the product reads x as (kernels.quant_weights.Int8Weight)."""
     w = w.float()
     scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float16).tiny).to(dtype)
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q, scales)
+    return Int8Weight(q, scales, activations=activations)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> Int4Weight:
@@ -126,8 +163,9 @@ def int4_from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack quantized weights along N (the fused q|k|v and gate|up projections). Host layouts only."""
     int8 = [w for w in weights if isinstance(w, Int8Weight) and w.layout == "rows"]
-    if len(int8) == len(weights):
-        return Int8Weight(torch.cat([w.qweight for w in int8]), torch.cat([w.scales for w in int8]))
+    if len(int8) == len(weights) and len({w.activations for w in int8}) == 1:
+        return Int8Weight(torch.cat([w.qweight for w in int8]), torch.cat([w.scales for w in int8]),
+                          activations=int8[0].activations)
     int4 = [w for w in weights if isinstance(w, Int4Weight) and w.layout == "nibbles"]
     if len(int4) == len(weights) and len({w.group_size for w in int4}) == 1:
         return Int4Weight(torch.cat([w.qweight for w in int4]), torch.cat([w.scale_zeros for w in int4], 1),
@@ -139,7 +177,8 @@ def place(w: Weight, device: torch.device | str) -> Weight:
     """w on `device` in the layout its kernels read: a dense CPU weight is prepacked (kernels.dense_cpu: the
     native panels, or oneDNN's layout); int8 and int4 with bf16 scales go to the native int8 / int4 panels
     where the native bf16 kernel runs; else int4 goes to torch's CPU layout where that kernel exists and N
-    is a multiple of 16 (else it stays in nibbles and is dequantized per call)."""
+    is a multiple of 16 (else it stays in nibbles and is dequantized per call). int8 with int8 activations
+    goes to the native quads where the VNNI kernel runs, else stays in rows."""
     device = torch.device(device)
     if isinstance(w, PackedDense):
         w = dense_cpu.unpack(w)
@@ -148,9 +187,11 @@ def place(w: Weight, device: torch.device | str) -> Weight:
         return dense_cpu.pack(w) if dense_cpu.can_pack(w) else w
     if isinstance(w, Int8Weight):
         q = int8_rows(w).to(device)
-        if dense_cpu.can_pack_int8(q, w.scales):
+        if w.activations == "int8" and dense_cpu.can_pack_w8a8(q, w.scales):
+            return Int8Weight(dense_cpu.quads(q), w.scales.contiguous(), "quads", "int8")
+        if w.activations == "float" and dense_cpu.can_pack_int8(q, w.scales):
             return Int8Weight(dense_cpu.panel(q), w.scales.contiguous(), "panels")
-        return Int8Weight(q, w.scales.to(device))
+        return Int8Weight(q, w.scales.to(device), activations=w.activations)
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4_panels(w):
         return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
                           "panels")

@@ -1,4 +1,4 @@
-"""Weight-only quantized matrices: int8 per output channel, int4 group-wise (the layouts; math in kernels.quant).
+"""Quantized matrices: int8 per output channel, int4 group-wise (the layouts; math in kernels.quant).
 
 A quantized weight stands for the (N, K) = (out_features, in_features) matrix W the model would otherwise
 hold in its activation dtype:
@@ -22,21 +22,37 @@ Int4Layout = Literal["nibbles", "cpu_int4pack", "panels"]
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """int8 per output channel (symmetric). `layout` says how qweight holds q[n, k]:
+    """int8 per output channel (symmetric). `activations` says what the product reads x as:
+
+    "float": x as it is (weight-only int8).
+    "int8":  x rounded to int8 per row (token) at each call, sx[t] = max |x[t]| / 127 (W8A8 with dynamic
+             per-token activation scales, as vLLM's and SGLang's int8 W8A8 schemes):
+             y[t, n] = sum_k round(x[t, k] / sx[t]) * q[n, k] * sx[t] * scale[n] (kernels.quant.linear_ref).
+
+    `layout` says how qweight holds q[n, k]:
 
     "rows":   (N, K) int8. Host form, and CUDA's.
     "panels": (ceil(N / 16), K / 2, 16, 2) int8, element [p, k2, j, t] = q[16 p + j, 2 k2 + t] (zero past N):
               the CPU's native kernel (kernels.dense_cpu's bf16 panel order, one byte per weight).
+    "quads":  (ceil(N / 16), K / 4, 16, 4) uint8, element [p, k4, j, t] = q[16 p + j, 4 k4 + t] + 128 (128
+              past N): the CPU's native int8 x int8 kernel (VNNI), int8 activations only.
     """
 
     qweight: torch.Tensor
     scales: torch.Tensor  # (N,) activation dtype
-    layout: Literal["rows", "panels"] = "rows"
+    layout: Literal["rows", "panels", "quads"] = "rows"
+    activations: Literal["float", "int8"] = "float"
+
+    def __post_init__(self) -> None:
+        if self.layout == "quads" and self.activations != "int8":
+            raise ValueError("the quads layout is read with int8 activations only")
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.layout == "panels":
             return (self.scales.shape[0], self.qweight.shape[1] * 2)
+        if self.layout == "quads":
+            return (self.scales.shape[0], self.qweight.shape[1] * 4)
         return (self.qweight.shape[0], self.qweight.shape[1])
 
     @property

@@ -103,7 +103,7 @@ def _decode_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
         if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels" and w.dtype == dtype:
             args += [w.packed, None]
             widths.append(w.shape[0])
-        elif isinstance(w, Int8Weight) and w.layout == "panels" and w.scales.dtype == dtype:
+        elif isinstance(w, Int8Weight) and w.layout in ("panels", "quads") and w.scales.dtype == dtype:
             args += [w.qweight, w.scales]
             widths.append(w.shape[0])
         elif isinstance(w, Int4Weight) and w.layout == "panels" and w.scale_zeros.dtype == dtype:
@@ -170,7 +170,7 @@ class LlamaModel:
         def moved(w: Weight, put: Callable[[torch.Tensor], torch.Tensor]) -> Weight:
             if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels":
                 return dataclasses.replace(w, packed=put(w.packed))
-            if isinstance(w, Int8Weight) and w.layout == "panels":
+            if isinstance(w, Int8Weight) and w.layout in ("panels", "quads"):
                 return dataclasses.replace(w, qweight=put(w.qweight), scales=put(w.scales))
             if isinstance(w, Int4Weight) and w.layout == "panels":
                 return dataclasses.replace(w, qweight=put(w.qweight), scale_zeros=put(w.scale_zeros))

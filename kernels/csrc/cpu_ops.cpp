@@ -14,6 +14,8 @@
 //                      avx512_bf16, see has_bf16_linear)
 //   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers
 //   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16
+//   w8a8_linear        int8 weights x the activations rounded to int8 per row at the call, int32 sums by
+//                      AVX512-VNNI (has_w8a8_linear)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
 //   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order
@@ -1240,6 +1242,184 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 
+// ---- w8a8_linear -------------------------------------------------------------------------------------------
+// int8 weights x int8 activations (the activations rounded per row at each call), int32 sums by AVX512-VNNI
+// `vpdpbusd` (64 byte products a instruction: twice the products of a bf16 dot product). Packed weight:
+// (P, K / 4, 16, 4) uint8, element [p, k4, j, t] = q[16 p + j, 4 k4 + t] + 128 (128, i.e. q = 0, past N):
+// one 64-byte load is 16 output columns x 4 consecutive k, the unsigned operand of VPDPBUSD. Row t of x is
+// rounded as qx = rne(x * (127 / max |x[t]|)) in -127..127 (signed operand), so
+//   sum_k (q + 128) qx = sum_k q qx + 128 sum_k qx   and   y[t, n] = (acc - 128 xsum[t]) * sx[t] * scale[n] + bias,
+// sx[t] = max |x[t]| / 127: exact integer sums, one fp32 rounding per output before bf16.
+bool has_w8a8_linear() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef int v16si __attribute__((vector_size(64)));  // GCC's type of vpdpbusd's operands
+
+struct RowsI8 {  // x rounded to int8 per row
+  std::vector<int8_t> q;  // (M, K)
+  std::vector<float> scale;  // sx
+  std::vector<int32_t> sum;  // sum_k qx
+};
+
+inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+void round_rows_i8(const uint16_t* x, int64_t xs, int64_t M, int64_t K, RowsI8& r) {
+  r.q.resize(static_cast<size_t>(M * K));
+  r.scale.resize(static_cast<size_t>(M));
+  r.sum.resize(static_cast<size_t>(M));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* row = x + i * xs;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(bf16x16_to_f32(row + k)));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      r.scale[i] = amax / 127.f;
+      const __m512 iv = _mm512_set1_ps(inv);
+      __m512i acc = _mm512_setzero_si512();
+      int8_t* out = r.q.data() + i * K;
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_f32(row + k), iv));  // round to nearest even
+        acc = _mm512_add_epi32(acc, qi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(qi));
+      }
+      r.sum[i] = _mm512_reduce_add_epi32(acc);
+    }
+  });
+}
+
+template <int MR, int NR, class PF>
+inline void w8a8_tile(const int8_t* __restrict xq, int64_t K, const float* __restrict sx, const int32_t* __restrict xsum,
+                      const uint8_t* __restrict w, int64_t K4, int64_t p0, int64_t N, uint16_t* __restrict out,
+                      int64_t os, const float* __restrict scale, const float* __restrict bias, PF& pf) {
+  // The builtin's own vector type: through the __m512i intrinsic GCC 12 keeps these arrays on the stack
+  // (a load and a store around every product, measured at half the speed).
+  v16si acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = (v16si)_mm512_setzero_si512();
+  const uint8_t* panel[NR];
+  for (int j = 0; j < NR; ++j) panel[j] = w + (p0 + j) * K4 * 64;
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    pf.step();
+    v16si b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = (v16si)_mm512_loadu_si512(panel[j] + k4 * 64);
+    for (int i = 0; i < MR; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, xq + i * K + 4 * k4, sizeof quad);
+      const v16si a = (v16si)_mm512_set1_epi32(quad);
+      for (int j = 0; j < NR; ++j) acc[i][j] = __builtin_ia32_vpdpbusd_v16si(acc[i][j], b[j], a);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n0 = (p0 + j) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, scale + n0);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i exact = _mm512_sub_epi32((__m512i)acc[i][j], _mm512_set1_epi32(128 * xsum[i]));
+      const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sv, _mm512_set1_ps(sx[i])), bv);
+      _mm256_mask_storeu_epi16(out + i * os + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+}
+
+template <int MR, class PF>
+void w8a8_tile_nr(int nr, const int8_t* xq, int64_t K, const float* sx, const int32_t* xsum, const uint8_t* w,
+                  int64_t K4, int64_t p0, int64_t N, uint16_t* out, int64_t os, const float* scale,
+                  const float* bias, PF& pf) {
+  switch (nr) {
+    case 4: w8a8_tile<MR, 4, PF>(xq, K, sx, xsum, w, K4, p0, N, out, os, scale, bias, pf); break;
+    case 3: w8a8_tile<MR, 3, PF>(xq, K, sx, xsum, w, K4, p0, N, out, os, scale, bias, pf); break;
+    case 2: w8a8_tile<MR, 2, PF>(xq, K, sx, xsum, w, K4, p0, N, out, os, scale, bias, pf); break;
+    default: w8a8_tile<MR, 1, PF>(xq, K, sx, xsum, w, K4, p0, N, out, os, scale, bias, pf); break;
+  }
+}
+
+template <class PF>
+void w8a8_rows(int64_t M, int nr, const RowsI8& r, int64_t K, const uint8_t* w, int64_t K4, int64_t p0, int64_t n,
+               uint16_t* op, const float* scale, const float* bias, PF& pf) {
+  for (int64_t m = 0; m < M; m += kRowsPerTile) {
+    const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+    const int8_t* xq = r.q.data() + m * K;
+    const float* sx = r.scale.data() + m;
+    const int32_t* xsum = r.sum.data() + m;
+    uint16_t* orow = op + m * n;
+    switch (mr) {
+      case 6: w8a8_tile_nr<6, PF>(nr, xq, K, sx, xsum, w, K4, p0, n, orow, n, scale, bias, pf); break;
+      case 5: w8a8_tile_nr<5, PF>(nr, xq, K, sx, xsum, w, K4, p0, n, orow, n, scale, bias, pf); break;
+      case 4: w8a8_tile_nr<4, PF>(nr, xq, K, sx, xsum, w, K4, p0, n, orow, n, scale, bias, pf); break;
+      case 3: w8a8_tile_nr<3, PF>(nr, xq, K, sx, xsum, w, K4, p0, n, orow, n, scale, bias, pf); break;
+      case 2: w8a8_tile_nr<2, PF>(nr, xq, K, sx, xsum, w, K4, p0, n, orow, n, scale, bias, pf); break;
+      default: w8a8_tile_nr<1, PF>(nr, xq, K, sx, xsum, w, K4, p0, n, orow, n, scale, bias, pf); break;
+    }
+  }
+}
+#endif
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "w8a8_linear: x (M, K) bfloat16, rows contiguous");
+  const int64_t M = x.size(0), K = x.size(1), n = scales.numel();
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 4 && w.scalar_type() == at::kByte &&
+                  w.size(1) * 4 == K && w.size(0) * 16 >= n && w.size(0) * 16 < n + 16 && K % 16 == 0,
+              "w8a8_linear: w must be uint8 quads for this K and N (K a multiple of 16)");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous(),
+              "w8a8_linear: scales (N,) float32 or bfloat16");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "w8a8_linear: bias (N,) float32");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, n}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (M == 0) return out;
+  std::vector<float> sf;
+  const float* scale = nullptr;
+  if (scales.scalar_type() == at::kFloat) {
+    scale = scales.data_ptr<float>();
+  } else {
+    sf.resize(static_cast<size_t>(n));
+    const bf16* sp = scales.data_ptr<bf16>();
+    for (int64_t i = 0; i < n; ++i) sf[i] = to_f(sp[i]);
+    scale = sf.data();
+  }
+  RowsI8 rows;
+  round_rows_i8(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, rows);
+  const auto* wp = w.data_ptr<uint8_t>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t K4 = K / 4, panels = w.size(0), panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
+      if (tiles == 1) {
+        NoPrefetch none;
+        w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, none);
+        continue;
+      }
+      const int64_t next = std::min<int64_t>(kPanelsPerTile, end - p0 - nr);
+      Prefetcher pf(wp + (p0 + nr) * panel_bytes, next * panel_bytes, tiles * K4);
+      w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, pf);
+    }
+  });
+  return out;
+#else
+  (void)M; (void)K; (void)bp;
+  TORCH_CHECK(false, "w8a8_linear: this build has no AVX512-VNNI (see has_w8a8_linear)");
+#endif
+}
+
+
 // ---- int4_linear -------------------------------------------------------------------------------------------
 // Packed int4 weight: (P, K / 4, 32) uint8. Byte e of [p, t] holds element e of k-pair 2t (low nibble) and of
 // k-pair 2t + 1 (high nibble), each k-pair's 32 elements in the bf16 panel order (16 columns x 2 k). Scales
@@ -1521,6 +1701,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
     TORCH_CHECK(scales.has_value(), "decode_layer: an int8 projection needs its scales");
     return int8_linear(x, w, *scales, bias);
   }
+  if (w.scalar_type() == at::kByte && w.dim() == 4) {
+    TORCH_CHECK(scales.has_value(), "decode_layer: a w8a8 projection needs its scales");
+    return w8a8_linear(x, w, *scales, bias);
+  }
   if (w.scalar_type() == at::kByte) {
     TORCH_CHECK(scales.has_value(), "decode_layer: an int4 projection needs its scales and zeros");
     return int4_linear(x, w, *scales, bias);
@@ -1607,6 +1791,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("f32_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale_zeros, Tensor? bias) -> Tensor");
   m.def("has_f32_linear() -> bool", &has_f32_linear);
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("has_w8a8_linear() -> bool", &has_w8a8_linear);
   m.def("decode_layer(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
@@ -1625,5 +1811,6 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("lora_add", &lora_add);
   m.impl("f32_linear", &f32_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
   m.impl("decode_layer", &decode_layer);
 }

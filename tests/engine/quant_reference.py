@@ -39,6 +39,25 @@ def hf_with_weights(model_dir: Path, state_dict: dict[str, torch.Tensor]) -> tor
     return model
 
 
+def with_int8_inputs(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (in place) with the input of every quantized projection (the *_proj layers, and lm_head unless
+    tied) rounded per row to int8 and back, as W8A8 reads it: x -> round(x * 127 / max|x|) * max|x| / 127
+    (written here, independently of kernels.quant.round_rows_int8). The hook sits on the nn.Linear itself,
+    so under peft the LoRA path still reads the unrounded input, as loraplex's does."""
+
+    def rounded(_module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0].float()
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        q = torch.where(amax > 0, torch.round(x * (127.0 / amax)), torch.zeros_like(x))
+        return (q * (amax / 127),)
+
+    tied = model.config.tie_word_embeddings
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and (name.endswith("_proj") or (name == "lm_head" and not tied)):
+            module.register_forward_pre_hook(rounded)
+    return model
+
+
 def write_gptq_checkpoint(src: Path, out: Path, *, group_size: int = 32, sym: bool = False,
                           checkpoint_format: str = "gptq", permuted_g_idx: bool = False,
                           quantization_config: dict | None = None) -> dict[str, torch.Tensor]:

@@ -151,6 +151,7 @@ def test_the_torch_twins_give_the_native_cpu_paths_tokens(llama_dir, monkeypatch
     ("llama", {}, {}),
     ("llama", {}, {"dtype": "bfloat16"}),
     ("llama", {}, {"quantization": "int8"}),
+    ("llama", {}, {"quantization": "w8a8"}),
     ("mistral", {"extra": {"sliding_window": 8}}, {}),  # windowed decode attention
     ("qwen2", {}, {"dtype": "bfloat16"}),  # q/k/v bias
 ])
@@ -162,6 +163,8 @@ def test_the_native_decode_layer_gives_the_op_by_op_tokens(make_model, family, o
     ops = native_cpu.ops()
     if ops is None or not ops.has_f32_linear() or ("dtype" in fields or "quantization" in fields) and not ops.has_bf16_linear():
         pytest.skip("panels need the AVX-512 (bf16: AVX512-BF16) native kernels")
+    if fields.get("quantization") == "w8a8" and not ops.has_w8a8_linear():
+        pytest.skip("quads need the AVX512-VNNI native kernel")
     model_dir = make_model(family, **overrides)
     prompts = random_prompts(600, [5, 40, 1, 23, 17, 9], seed=5)
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)

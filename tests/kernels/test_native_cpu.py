@@ -198,6 +198,35 @@ def test_int8_panels_equal_the_dequantized_product(ops, m, n, k):
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)
 
 
+@pytest.mark.parametrize("m", [1, 2, 6, 7, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 32), (600, 96), (16, 1536)])
+def test_w8a8_quads_equal_the_integer_product(ops, m, n, k):
+    """One tile (1-6 rows, no prefetch) and several, N not a multiple of 16, a long K, an all-zero row, a
+    bias: the exact integer product of the rounded rows and q (float64), scaled once, rounded to bf16."""
+    from kernels.quant import int8_rows, linear, place, quantize_int8, round_rows_int8
+
+    if not ops.has_w8a8_linear():
+        pytest.skip("no AVX512-VNNI here: w8a8 runs the rounded rows through the weight-only path")
+    g = torch.Generator().manual_seed(m * n + k)
+    q = quantize_int8(torch.randn(n, k, generator=g), torch.bfloat16, activations="int8")
+    placed = place(q, "cpu")
+    assert placed.layout == "quads" and placed.shape == (n, k) and placed.activations == "int8"
+    assert torch.equal(int8_rows(placed), q.qweight)
+    assert placed.nbytes == -(-n // 16) * 16 * k + n * 2
+    x = torch.randn(m, k, generator=g).bfloat16() * 3
+    x[m // 2] = 0  # its scale is 0: the row's products are 0 (plus the bias), not NaN
+    bias = torch.randn(n, generator=g).bfloat16()
+    qx, sx = round_rows_int8(x)
+    for b in (None, bias):
+        exact = (qx.double() @ q.qweight.double().T) * sx.double()[:, None] * q.scales.double()[None, :]
+        if b is not None:
+            exact = exact + b.double()
+        got = linear(x, placed, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
+    assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)  # placing again keeps the values
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(96, 64, 32), (40, 128, 64), (600, 256, 128), (72, 64, 64)])
 def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size):

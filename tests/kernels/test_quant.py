@@ -1,4 +1,5 @@
-"""Weight-only quantized linear: quantizers, the CPU layouts, and every dispatch path against the torch twin."""
+"""Quantized linear (weight-only, and w8a8): quantizers, the CPU layouts, and every dispatch path against the
+torch twin."""
 
 from __future__ import annotations
 
@@ -41,6 +42,34 @@ def test_int8_rounds_each_row_to_within_half_a_step() -> None:
     assert ((dequantize(q) - w).abs() <= step / 2 + 1e-6).all()
     assert torch.allclose(q.scales, w.abs().amax(1) / 127)
     assert q.nbytes == 40 * 96 + 40 * 4
+
+
+def test_int8_activations_round_each_row_to_within_half_a_step() -> None:
+    x = weight(7, 96, seed=3) * torch.arange(1, 8)[:, None]  # rows of different scales
+    x[3] = 0
+    qx, sx = quant.round_rows_int8(x)
+    assert torch.equal(qx, qx.round()) and qx.abs().max() <= 127
+    assert torch.equal(qx[3], torch.zeros(96)) and sx[3] == 0
+    assert torch.allclose(sx, x.abs().amax(1) / 127)
+    assert (qx.abs().amax(1)[sx > 0] == 127).all()  # each row's largest input maps to +-127
+    assert ((qx * sx[:, None] - x).abs() <= sx[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_without_its_native_kernel_runs_the_rounded_rows(dtype: torch.dtype, torch_int4: None) -> None:
+    """Rows layout (no VNNI quads: another CPU, or CUDA's form): the rounded rows through the weight-only
+    path, then each row's scale, match the reference's exact integer product."""
+    q = quant.quantize_int8(weight(80, 96, seed=4), dtype, activations="int8")
+    placed = place(q, "cpu")
+    assert placed.layout == "rows" and placed.activations == "int8"
+    x = weight(5, 96, seed=5).to(dtype)
+    bias = weight(1, 80, seed=6)[0].to(dtype)
+    for b in (None, bias):
+        close(linear(x, placed, b), linear_ref(x, placed, b), dtype)
+    weight_only = linear_ref(x, Int8Weight(q.qweight, q.scales), None).float()
+    assert (linear_ref(x, q, None).float() - weight_only).abs().max() > 1e-3  # the rounding is applied
+    with pytest.raises(ValueError, match="int8 activations only"):
+        Int8Weight(placed.qweight, placed.scales, "quads")
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
