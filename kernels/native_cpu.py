@@ -22,8 +22,9 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).
     silu_mul(x) -> (rows, I)
         Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
-    bf16_linear / f32_linear / int8_linear / int4_linear, lora_add
-        The panel GEMMs and the batched LoRA add: semantics in kernels.dense_cpu and kernels.lora_cpu.
+    bf16_linear / f32_linear / int8_linear / int4_linear / w8a8_linear, lora_add
+        The panel GEMMs (w8a8: int8 x int8, AVX512-VNNI builds only, has_w8a8_linear) and the batched LoRA
+        add: semantics in kernels.dense_cpu and kernels.lora_cpu.
     decode_layer(x, h, <the layer's projections>, ..., lora operands) -> next h
         Semantics: one decoder layer of an all-decode step, exactly the ops above in the order
         engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds
