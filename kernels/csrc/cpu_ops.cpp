@@ -883,6 +883,37 @@ void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, f
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bf16 twin: x_m and A[j] as k pairs straight into VDPBF16PS (32 products an instruction, no widening),
+// fp32 sums; a masked tail loads zeros past h_in.
+template <int M>
+void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
+                           int64_t out_stride) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < r; j0 += 4) {
+    const bf16* ar[4];
+    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    for (int64_t k = 0; k < h_in; k += 32) {
+      const int64_t left = h_in - k;
+      const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
+      __m512i av[4];
+      for (int jj = 0; jj < 4; ++jj) av[jj] = _mm512_maskz_loadu_epi16(lanes, ar[jj] + k);
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
+        for (int jj = 0; jj < 4; ++jj)
+          acc[m * 4 + jj] = _mm512_dpbf16_ps(acc[m * 4 + jj], (__m512bh)xv, (__m512bh)av[jj]);
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
+  }
+}
+#endif
+
 // y_m[c] += sum_j u[m, j] * bt[j, c] for M tokens, c < n (bt rows strided by bt_stride): 4 chunks of 16
 // columns x M tokens of accumulators, each y element read and rounded once.
 template <typename T, int M>
@@ -912,6 +943,58 @@ void lora_expand_tile(T* const* yr, const float* u, int64_t u_stride, const T* b
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bf16 twin: u rounded to bf16 (as a bf16 matmul rounds the shrunk activations) and consumed as (j, j + 1)
+// pairs; rows j and j + 1 of bt interleaved by unpacklo/hi into VDPBF16PS's pair operand, which leaves the
+// columns of each 32 in the order {0-3, 8-11, 16-19, 24-27} (lo) and {4-7, 12-15, 20-23, 28-31} (hi),
+// put back by one permute each at the store. fp32 sums, each y element read and rounded once.
+template <int M>
+void lora_expand_tile_bf16(bf16* const* yr, const float* u, int64_t u_stride, const bf16* bt, int64_t bt_stride,
+                           int64_t r, int64_t n) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c0 = 0; c0 < n; c0 += 64) {
+    __m512 acc[M][4];  // [m][2 g + h]: 32-column group g, lo (h = 0) or hi (h = 1) half
+    for (int m = 0; m < M; ++m)
+      for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_ps();
+    __mmask32 cols[2];
+    for (int g = 0; g < 2; ++g) {
+      const int64_t left = n - c0 - 32 * g;
+      cols[g] = left <= 0 ? 0 : left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
+    }
+    for (int64_t j = 0; j < r; j += 2) {
+      const bf16* b0 = bt + j * bt_stride + c0;
+      const bool pair = j + 1 < r;
+      __m512i bv[4];
+      for (int g = 0; g < 2; ++g) {
+        const __m512i row0 = _mm512_maskz_loadu_epi16(cols[g], b0 + 32 * g);
+        const __m512i row1 = pair ? _mm512_maskz_loadu_epi16(cols[g], b0 + bt_stride + 32 * g) : _mm512_setzero_si512();
+        bv[2 * g] = _mm512_unpacklo_epi16(row0, row1);
+        bv[2 * g + 1] = _mm512_unpackhi_epi16(row0, row1);
+      }
+      for (int m = 0; m < M; ++m) {
+        const uint32_t lo = bf16(u[m * u_stride + j]).x, hi = pair ? bf16(u[m * u_stride + j + 1]).x : 0;
+        const __m512i um = _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+        for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)um, (__m512bh)bv[q]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int g = 0; g < 2; ++g) {
+        if (cols[g] == 0) continue;
+        const __m512 parts[2] = {_mm512_permutex2var_ps(acc[m][2 * g], first, acc[m][2 * g + 1]),
+                                 _mm512_permutex2var_ps(acc[m][2 * g], second, acc[m][2 * g + 1])};
+        for (int h = 0; h < 2; ++h) {
+          const int64_t c = c0 + 32 * g + 16 * h;
+          if (c >= n) continue;
+          const __mmask16 lanes = first_lanes(n - c);
+          bf16* yc = yr[m] + c;
+          store16m(yc, _mm512_add_ps(load16m(yc, lanes), parts[h]), lanes);
+        }
+      }
+  }
+}
+#endif
+
 // Up to 4 tokens of one slot: shrink every slice into u (M, slices * R), then expand each slice into y.
 template <typename T, int M>
 void lora_tokens(const T* const* xr, T* const* yr, int64_t s, const T* ap, const T* bp, const int32_t* rp,
@@ -920,14 +1003,27 @@ void lora_tokens(const T* const* xr, T* const* yr, int64_t s, const T* ap, const
   const int64_t us = num_slices * R;
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
-    if (r > 0)
-      lora_shrink_tile<T, M>(xr, ap + (s * num_slices * R + i * R) * h_in, r, h_in, sp[s * num_slices + i], u + i * R, us);
+    if (r <= 0) continue;
+    const T* a = ap + (s * num_slices * R + i * R) * h_in;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      lora_shrink_tile_bf16<M>(xr, a, r, h_in, sp[s * num_slices + i], u + i * R, us);
+      continue;
+    }
+#endif
+    lora_shrink_tile<T, M>(xr, a, r, h_in, sp[s * num_slices + i], u + i * R, us);
   }
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
     if (r <= 0) continue;
     T* yo[M];
     for (int m = 0; m < M; ++m) yo[m] = yr[m] + offsets[i];
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      lora_expand_tile_bf16<M>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
+      continue;
+    }
+#endif
     lora_expand_tile<T, M>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
   }
 }

@@ -268,3 +268,37 @@ def test_prefill_attention_matches_the_naive_reference(ops, paged_batch, dense_a
     got = paged_attention(*batch.args(), scale, window)  # the native path: prefill chunks and decode rows
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), dense_attention(batch, scale, window), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_matches_the_float64_reference_over_wide_slices_and_odd_ranks(ops, dtype):
+    """Slices wider than one 64-column chunk and not a multiple of 16, odd ranks (bf16 pairs them), an input
+    width not a multiple of 32, base tokens (slot -1) and runs of up to 5 tokens per slot (a 4-token tile
+    and a 1-token tile). bf16 rounds x, the factors, the shrunk activations and y: held to the delta's scale."""
+    g = torch.Generator().manual_seed(7)
+    h_in, sizes, R, S = 100, [200, 72, 8], 16, 3
+    ranks = torch.tensor([[16, 3, 1], [1, 16, 0], [7, 0, 5]], dtype=torch.int32)
+    scaling = torch.tensor([[0.5, 1.0, 2.0], [1.5, 0.25, 1.0], [1.0, 1.0, 0.75]])
+    lora_a = (torch.randn(S, len(sizes) * R, h_in, generator=g) * 0.3).to(dtype)
+    b_t = (torch.randn(S, R, sum(sizes), generator=g) * 0.3).to(dtype)
+    slots = torch.tensor([0, 0, 2, -1, 0, 1, 0, 0, 2, 1, -1, 2], dtype=torch.int32)
+    x = torch.randn(len(slots), h_in, generator=g).to(dtype)
+    y = torch.randn(len(slots), sum(sizes), generator=g).to(dtype)
+    want = y.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        col = 0
+        for i, n in enumerate(sizes):
+            r = int(ranks[s, i])
+            if r:
+                a = lora_a[s, i * R : i * R + r].double()  # (r, h_in)
+                u = (a @ x[t].double()) * float(scaling[s, i])
+                want[t, col : col + n] += u @ b_t[s, :r, col : col + n].double()
+            col += n
+    got = y.clone()
+    ops.lora_add(got, x, lora_a, b_t, ranks, scaling, slots, sizes)
+    delta = (want - y.double()).abs().max()
+    err = (got.double() - want).abs().max() / delta
+    assert err < (1e-5 if dtype == torch.float32 else 0.02), err
+    assert torch.equal(got[slots < 0], y[slots < 0])
