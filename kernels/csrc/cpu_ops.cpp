@@ -178,6 +178,16 @@ struct SlotWalker {
   }
 };
 
+// The next `count` positions of `w` (advanced past them) fetched into L2, row_bytes each: blocks are scattered,
+// so the hardware prefetcher starts cold at every block boundary.
+template <typename KV>
+inline void prefetch_rows(const KV* base, SlotWalker& w, int64_t count, int64_t row_bytes) {
+  for (int64_t u = 0; u < count; ++u) {
+    const char* row = reinterpret_cast<const char*>(base + w.next());
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+  }
+}
+
 // out(NG, D) = (sum_j p[g, j] V[j]) * inv_sum[g] for NG query heads, NG * C accumulators in registers.
 template <typename KV, int C, int NG>
 void decode_values(const float* __restrict p, int64_t n, const KV* __restrict v_base, SlotWalker slots,
@@ -256,8 +266,14 @@ void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __re
   __m512 mxv[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   SlotWalker keys(table, block_size, block_stride, slot_stride, lo);
+  // while these 16 keys are scored: the next 16 keys, and these 16 positions' values (for the pass below)
+  SlotWalker next_keys(table, block_size, block_stride, slot_stride, std::min(lo + 16, len));
+  SlotWalker these_values(table, block_size, block_stride, slot_stride, lo);
+  constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV));
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
+    prefetch_rows(k_base, next_keys, std::min<int64_t>(16, n - j0 - 16), row_bytes);
+    prefetch_rows(v_base, these_values, nk, row_bytes);
     const __mmask16 valid = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
     const KV* rows[16];
     for (int u = 0; u < 16; ++u) rows[u] = u < nk ? k_base + keys.next() : zeros;
