@@ -474,6 +474,11 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
   alignas(64) float kt[D][KB];  // kPairs: rows [0, D / 2) hold k pairs (2 bf16 in a float's bits)
   alignas(64) float vf[KB][D];  // bf16 values widened once (fp32 values are read in place)
   const float* vrow[KB];
+  // kPairs: the values as key pairs for bf16 dot products, vpair[j2] = rows 2 j2 and 2 j2 + 1 interleaved
+  // by unpacklo/hi per 32 dims, so acc holds each 32 dims in the order {0-3, 8-11, 16-19, 24-27} then
+  // {4-7, 12-15, 20-23, 28-31} (put back at the end); p rounded to bf16 for them, as flash attention's
+  // bf16 P @ V (the row sums l stay fp32)
+  alignas(64) uint16_t vpair[KB / 2][2 * D];
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
@@ -489,14 +494,31 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
         }
         if constexpr (std::is_same_v<KV, float>) {
           vrow[j] = v_base + slot;
-        } else {
+        } else if constexpr (!kPairs) {
           for (int d = 0; d < D; ++d) vf[j][d] = to_f(v_base[slot + d]);
           vrow[j] = vf[j];
+        } else {
+          vrow[j] = reinterpret_cast<const float*>(v_base + slot);  // bf16 rows, paired below
         }
       } else {
         for (int d = 0; d < (kPairs ? D / 2 : D); ++d) kt[d][j] = 0.f;
       }
     }
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      for (int64_t j2 = 0; j2 < KB / 2; ++j2) {
+        const int64_t ja = 2 * j2, jb = 2 * j2 + 1;
+        for (int ch = 0; ch < D / 32; ++ch) {
+          const __m512i a = ja < nk ? _mm512_loadu_si512(reinterpret_cast<const bf16*>(vrow[ja]) + 32 * ch)
+                                    : _mm512_setzero_si512();
+          const __m512i b = jb < nk ? _mm512_loadu_si512(reinterpret_cast<const bf16*>(vrow[jb]) + 32 * ch)
+                                    : _mm512_setzero_si512();
+          _mm512_store_si512(vpair[j2] + 64 * ch, _mm512_unpacklo_epi16(a, b));
+          _mm512_store_si512(vpair[j2] + 64 * ch + 32, _mm512_unpackhi_epi16(a, b));
+        }
+      }
+    }
+#endif
     __m512i keys[NV];
     for (int v = 0; v < NV; ++v) keys[v] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)), lane);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: 4 x NV independent chains per score
@@ -556,9 +578,24 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
           __m512 a[C];
           const __m512 cv = _mm512_set1_ps(corr);
           for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[g][r] + 16 * c), cv);
-          for (int64_t j = 0; j < nk; ++j) {
-            const __m512 pv = _mm512_set1_ps(pj[j]);
-            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vrow[j] + 16 * c), a[c]);
+          if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+            alignas(64) uint32_t pp[16];  // p as bf16 key pairs (KB / 2 of them; one full store each 32 keys)
+            for (int v = 0; v < NV; v += 2) {
+              const __m512 hi = v + 1 < NV ? _mm512_load_ps(pj + 16 * (v + 1)) : _mm512_setzero_ps();
+              _mm512_store_si512(pp + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_load_ps(pj + 16 * v)));
+            }
+            for (int64_t j2 = 0; j2 < (nk + 1) / 2; ++j2) {
+              const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[j2]));
+              for (int c = 0; c < C; ++c)
+                a[c] = _mm512_dpbf16_ps(a[c], pv, (__m512bh)_mm512_load_si512(vpair[j2] + 32 * c));
+            }
+#endif
+          } else {
+            for (int64_t j = 0; j < nk; ++j) {
+              const __m512 pv = _mm512_set1_ps(pj[j]);
+              for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vrow[j] + 16 * c), a[c]);
+            }
           }
           for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g][r] + 16 * c, a[c]);
         }
@@ -569,7 +606,19 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = l[g][r] > 0.f ? 1.f / l[g][r] : 0.f;
       Q* dst = op + (i0 + r) * Hq * D + (h * G + g) * D;
-      for (int d = 0; d < D; ++d) from_f(acc[g][r][d] * inv, dst + d);
+      if constexpr (kPairs) {  // acc's dims back in order (see vpair)
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        alignas(64) float ordered[D];
+        for (int ch = 0; ch < D / 32; ++ch) {
+          const __m512 lo = _mm512_load_ps(acc[g][r] + 32 * ch), hi = _mm512_load_ps(acc[g][r] + 32 * ch + 16);
+          _mm512_store_ps(ordered + 32 * ch, _mm512_permutex2var_ps(lo, first, hi));
+          _mm512_store_ps(ordered + 32 * ch + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
+        for (int d = 0; d < D; ++d) from_f(ordered[d] * inv, dst + d);
+      } else {
+        for (int d = 0; d < D; ++d) from_f(acc[g][r][d] * inv, dst + d);
+      }
     }
 }
 
