@@ -38,13 +38,14 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
-# loraplex precision -> (EngineConfig fields, the llama.cpp types of equal weight bits)
+# loraplex precision -> (EngineConfig fields, the llama.cpp types of equal weight bits). Quantized models
+# compute in the CPU's default dtype: bf16 with native bf16, float32 elsewhere (kernels.cpu_features).
 PAIRS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "float32": ({"dtype": "float32"}, ("F32",)),
     "bfloat16": ({"dtype": "bfloat16"}, ("F16", "BF16")),
-    "int8": ({"dtype": "bfloat16", "quantization": "int8"}, ("Q8_0",)),
-    "w8a8": ({"dtype": "bfloat16", "quantization": "w8a8"}, ("Q8_0",)),
-    "int4": ({"dtype": "bfloat16", "quantization": "int4"}, ("Q4_0",)),
+    "int8": ({"dtype": "auto", "quantization": "int8"}, ("Q8_0",)),
+    "w8a8": ({"dtype": "auto", "quantization": "w8a8"}, ("Q8_0",)),
+    "int4": ({"dtype": "auto", "quantization": "int4"}, ("Q4_0",)),
 }
 
 

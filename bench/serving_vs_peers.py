@@ -48,6 +48,7 @@ import httpx
 
 from bench.common import CACHE, bench_model, percentile, print_table, write_json
 from bench.peers import llamacpp, vllm_cpu
+from kernels.cpu_features import default_cpu_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = CACHE / "serving-logs"
@@ -57,11 +58,15 @@ ROOMY = {"requests_per_minute": 10_000_000, "tokens_per_minute": 100_000_000, "m
          "max_queued_requests": 100_000, "max_tokens_per_request": 100_000}
 
 
+# The activations of a quantized model, and vLLM's dtype next to it: bf16 where the CPU has native bf16,
+# float32 elsewhere (loraplex's own CPU default, kernels.cpu_features)
+ACTIVATIONS = str(default_cpu_dtype()).removeprefix("torch.")
+
 # --precision -> (loraplex serve flags, vLLM-CPU --dtype, llama.cpp GGUF type)
 PRECISIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "float32": (("--dtype", "float32"), "float32", "F32"),
     "bfloat16": (("--dtype", "bfloat16"), "bfloat16", "BF16"),
-    "w8a8": (("--dtype", "bfloat16", "--quantization", "w8a8"), "bfloat16", "Q8_0"),
+    "w8a8": (("--dtype", ACTIVATIONS, "--quantization", "w8a8"), ACTIVATIONS, "Q8_0"),
 }
 
 

@@ -122,26 +122,49 @@ def panel(w: torch.Tensor) -> torch.Tensor:
 
 def unpanel(panels: torch.Tensor, n: int) -> torch.Tensor:
     """The (N, K) matrix of `panel`'s output."""
-    if panels.dim() == 3:  # fp32
+    if panels.dim() == 3:  # single k (fp32, and int8 for fp32 activations)
         return panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:n].contiguous()
     return panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * 2)[:n].contiguous()
 
 
 def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an int8 (N, K) weight goes to int8 panels: on the CPU, with bf16 scales (activations), an
-    even K, and the native bf16 kernel built."""
-    return q.device.type == "cpu" and scales.dtype == torch.bfloat16 and bf16_panels_ready(q.shape[1])
+    even K and the native bf16 kernel built (K-pair panels), or with float32 scales and the native AVX2
+    kernel built (single-k panels, `int8_panel`)."""
+    if q.device.type != "cpu":
+        return False
+    if scales.dtype == torch.bfloat16:
+        return bf16_panels_ready(q.shape[1])
+    if scales.dtype != torch.float32 or os.environ.get(PREPACK_ENV, "1") == "0":
+        return False
+    ops = native_cpu.available_for(torch.empty(0, q.shape[1]))
+    if ops is None or not ops.has_int8_linear_f32():
+        return False
+    _bind(ops)
+    return True
+
+
+def int8_panel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An int8 (N, K) weight's panels for activations in its scales' dtype: bf16 as (P, K / 2, 16, 2) (the
+    bf16 kernel's k pairs), float32 as (P, K, 16) (the fp32 layout); `unpanel` reads either."""
+    if scales.dtype == torch.float32:
+        n, k = q.shape
+        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=q.dtype, device=q.device)
+        padded[:n] = q
+        return padded.view(-1, PANEL, k).permute(0, 2, 1).contiguous()
+    return panel(q)
 
 
 def can_pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether an int8 (N, K) weight with int8 activations goes to the native quads: on the CPU, bf16
-    scales (activations), K a multiple of 16, prepacking on and the native VNNI kernel built."""
-    if q.device.type != "cpu" or scales.dtype != torch.bfloat16 or q.shape[1] % 16:
+    """Whether an int8 (N, K) weight with int8 activations goes to the native quads: on the CPU, K a
+    multiple of 16, prepacking on, and a native int8 kernel built for the scales' (activations') dtype:
+    AVX512-VNNI (bf16) or AVX2 (bf16 and float32)."""
+    if q.device.type != "cpu" or scales.dtype not in (torch.bfloat16, torch.float32) or q.shape[1] % 16:
         return False
     if os.environ.get(PREPACK_ENV, "1") == "0":
         return False
-    ops = native_cpu.available_for(torch.empty(0, q.shape[1], dtype=torch.bfloat16))
-    if ops is None or not ops.has_w8a8_linear():
+    ops = native_cpu.available_for(torch.empty(0, q.shape[1], dtype=scales.dtype))
+    if ops is None or not (ops.has_w8a8_linear() if scales.dtype == torch.bfloat16 else ops.has_w8a8_linear_f32()):
         return False
     _bind(ops)
     return True
@@ -175,21 +198,23 @@ def bf16_panels_ready(k: int) -> bool:
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = (x @ q.T) * scales + bias over int8 panels (bf16 x): q widened to bf16 exactly, fp32 sums.
+    """y = (x @ q.T) * scales + bias over int8 panels (`int8_panel`; x bf16 or float32, as the scales): q
+    widened to x's dtype exactly in registers, fp32 sums.
 
-    Semantics: the reference is F.linear(x.float(), unpanel(qweight) * scales[:, None], bias), rounded to bf16.
+    Semantics: the reference is F.linear(x.float(), unpanel(qweight) * scales[:, None], bias), in x's dtype.
     """
     assert _INT8_LINEAR is not None, "int8 panels are only made where the native ops run"
     if x.dim() == 2 and x.stride(1) == 1 and bias is None:
         return _INT8_LINEAR(x, qweight, scales, None)
-    x2, b = _rows(x, qweight.shape[1] * 2), _bias(bias)
+    x2, b = _rows(x, scales_k(qweight)), _bias(bias)
     return _INT8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = (round_rows_int8(x) @ q.T) * scales + bias over quads (bf16 x): each row of x rounded to int8
-    here (kernels.quant.round_rows_int8), exact int32 sums, one fp32 scaling, y rounded to bf16.
+    """y = (round_rows_int8(x) @ q.T) * scales + bias over quads (x bf16, or float32 on AVX2 builds): each
+    row of x rounded to int8 here (kernels.quant.round_rows_int8), exact int32 sums, one fp32 scaling, y in
+    x's dtype.
 
     Semantics: the reference is kernels.quant.linear_ref of an int8-activation Int8Weight.
     """
@@ -210,6 +235,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tenso
     assert _INT4_LINEAR is not None, "int4 panels are only made where the native ops run"
     x2, b = _rows(x, qweight.shape[1] * 4), _bias(bias)
     return _INT4_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
+
+
+def scales_k(qweight: torch.Tensor) -> int:
+    """K of int8 panels in either layout of `int8_panel`."""
+    return qweight.shape[1] * (2 if qweight.dim() == 4 else 1)
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

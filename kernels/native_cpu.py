@@ -23,8 +23,10 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
     silu_mul(x) -> (rows, I)
         Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
     bf16_linear / f32_linear / int8_linear / int4_linear / w8a8_linear, lora_add
-        The panel GEMMs (w8a8: int8 x int8, AVX512-VNNI builds only, has_w8a8_linear) and the batched LoRA
-        add: semantics in kernels.dense_cpu and kernels.lora_cpu.
+        The panel GEMMs and the batched LoRA add: semantics in kernels.dense_cpu and kernels.lora_cpu.
+        bf16 x (bf16, int8, int4 panels): AVX512-BF16 builds; float32 x (f32 and int8 panels): AVX-512 or
+        AVX2 builds (has_f32_linear, has_int8_linear_f32); w8a8 (int8 x int8): AVX512-VNNI for bf16 x,
+        AVX2 for bf16 and float32 x (has_w8a8_linear, has_w8a8_linear_f32).
     decode_layer(x, h, <the layer's projections>, ..., lora operands) -> next h
         Semantics: one decoder layer of an all-decode step, exactly the ops above in the order
         engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds

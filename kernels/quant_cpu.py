@@ -43,9 +43,9 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     tokens = x.shape[0]
     bf16 = x.dtype == torch.bfloat16
     if isinstance(w, Int8Weight):
-        if w.layout == "quads":  # int8 activations, made only for bf16 ones (kernels.quant.place)
+        if w.layout == "quads":  # int8 activations, where a native kernel reads x's dtype (kernels.quant.place)
             return dense_cpu.w8a8_linear(x, w.qweight, w.scales, bias)
-        if w.layout == "panels":  # made only for bf16 activations (kernels.quant.place)
+        if w.layout == "panels":  # made for the scales' dtype (kernels.quant.place)
             return dense_cpu.int8_linear(x, w.qweight, w.scales, bias)
         if bf16 and HAS_INT8_MM and tokens <= INT8_PACKED_MAX_TOKENS:
             return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)

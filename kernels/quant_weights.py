@@ -33,9 +33,10 @@ class Int8Weight:
 
     "rows":   (N, K) int8. Host form, and CUDA's.
     "panels": (ceil(N / 16), K / 2, 16, 2) int8, element [p, k2, j, t] = q[16 p + j, 2 k2 + t] (zero past N):
-              the CPU's native kernel (kernels.dense_cpu's bf16 panel order, one byte per weight).
+              the CPU's native kernel (kernels.dense_cpu's bf16 panel order, one byte per weight); with
+              float32 scales (activations) (ceil(N / 16), K, 16), the fp32 panel order (the AVX2 kernel).
     "quads":  (ceil(N / 16), K / 4, 16, 4) uint8, element [p, k4, j, t] = q[16 p + j, 4 k4 + t] + 128 (128
-              past N): the CPU's native int8 x int8 kernel (VNNI), int8 activations only.
+              past N): the CPU's native int8 x int8 kernel (VNNI; AVX2), int8 activations only.
     """
 
     qweight: torch.Tensor
@@ -49,8 +50,8 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.layout == "panels":
-            return (self.scales.shape[0], self.qweight.shape[1] * 2)
+        if self.layout == "panels":  # k pairs (bf16 activations) or single k (float32 activations)
+            return (self.scales.shape[0], self.qweight.shape[1] * (2 if self.qweight.dim() == 4 else 1))
         if self.layout == "quads":
             return (self.scales.shape[0], self.qweight.shape[1] * 4)
         return (self.qweight.shape[0], self.qweight.shape[1])

@@ -12,12 +12,13 @@
 //   bf16_linear        y = x @ W.T (+ bias) for bf16 x and a bf16 weight packed once into 16-column
 //                      panels of K pairs (AVX512-BF16 dot products; built only where the compiler targets
 //                      avx512_bf16, see has_bf16_linear)
-//   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers
+//   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers;
+//                      float32 x over single-k int8 panels widened to fp32 (AVX2, has_int8_linear_f32)
 //   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16
 //   w8a8_linear        int8 weights x the activations rounded to int8 per row at the call, int32 sums by
-//                      AVX512-VNNI (has_w8a8_linear)
+//                      AVX512-VNNI (bf16 x), or by AVX2 byte and word multiply-adds (bf16 or float32 x)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call
-//   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 FMA (has_f32_linear)
+//   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
 //   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16).
@@ -28,7 +29,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -1380,10 +1381,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
   return panel_linear_bf16(x, w, n, nullptr, bp);
 }
 
+at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias);
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kFloat) return int8_linear_f32(x, w, scales, bias);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
-              "int8_linear: x (M, K) bfloat16, rows contiguous");
+              "int8_linear: x (M, K) bfloat16 or float32, rows contiguous");
   const int64_t n = scales.numel();
   TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kChar &&
                   w.size(1) * 2 == x.size(1) && w.size(0) * 16 >= n && w.size(0) * 16 < n + 16,
@@ -1412,22 +1417,43 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // rounded as qx = rne(x * (127 / max |x[t]|)) in -127..127 (signed operand), so
 //   sum_k (q + 128) qx = sum_k q qx + 128 sum_k qx   and   y[t, n] = (acc - 128 xsum[t]) * sx[t] * scale[n] + bias,
 // sx[t] = max |x[t]| / 127: exact integer sums, one fp32 rounding per output before bf16.
-bool has_w8a8_linear() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+//
+// AVX2 builds (no VNNI) run the same quads with VPMADDUBSW, whose unsigned operand must be the weight's
+// magnitude so that a pair of products cannot saturate int16: q = (q + 128) ^ 0x80, then
+// |q| * sign(qx, q) summed in pairs (at most 2 * 128 * 127 < 2^15) and by VPMADDWD in quads: exact int32
+// sums of q qx with no 128 xsum correction; x and y float32 or bf16. 32 products take four instructions
+// (sign, madd-bytes, madd-words, add) where VNNI takes a quarter of one; at decode the weights' bytes bound it.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define LORAPLEX_W8A8_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define LORAPLEX_W8A8_AVX2 1
+#endif
+
+bool has_w8a8_linear() {  // for bf16 x
+#if defined(LORAPLEX_W8A8_VNNI) || defined(LORAPLEX_W8A8_AVX2)
   return true;
 #else
   return false;
 #endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-typedef int v16si __attribute__((vector_size(64)));  // GCC's type of vpdpbusd's operands
+bool has_w8a8_linear_f32() {  // for float32 x
+#if defined(LORAPLEX_W8A8_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
 
 struct RowsI8 {  // x rounded to int8 per row
   std::vector<int8_t> q;  // (M, K)
   std::vector<float> scale;  // sx
-  std::vector<int32_t> sum;  // sum_k qx
+  std::vector<int32_t> sum;  // sum_k qx (the VNNI kernel's correction)
 };
+
+#if defined(LORAPLEX_W8A8_VNNI)
+typedef int v16si __attribute__((vector_size(64)));  // GCC's type of vpdpbusd's operands
 
 inline __m512 bf16x16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -1527,10 +1553,142 @@ void w8a8_rows(int64_t M, int nr, const RowsI8& r, int64_t K, const uint8_t* w, 
 }
 #endif
 
+#if defined(LORAPLEX_W8A8_AVX2)
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f32(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// Each row of x as qx = rne(x * (127 / max |x[t]|)), the reference's operations (kernels.quant.round_rows_int8).
+template <class T>
+void round_rows_i8_avx2(const T* x, int64_t xs, int64_t M, int64_t K, RowsI8& r) {
+  r.q.resize(static_cast<size_t>(M * K));
+  r.scale.resize(static_cast<size_t>(M));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i to_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = x + i * xs;
+      __m256 mx = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8_f32(row + k), magnitude));
+      const float amax = hmax8(mx);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      r.scale[i] = amax / 127.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      int8_t* out = r.q.data() + i * K;
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(load8_f32(row + k), iv));  // nearest even
+        const __m256i b = _mm256_shuffle_epi8(qi, to_bytes);  // low byte of each int32 (|qi| <= 127)
+        const int32_t lo = _mm256_extract_epi32(b, 0), hi = _mm256_extract_epi32(b, 4);
+        std::memcpy(out + k, &lo, 4);
+        std::memcpy(out + k + 4, &hi, 4);
+      }
+    }
+  });
+}
+
+inline void store8(float* p, __m256 v, int valid) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(p, v);
+    return;
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int i = 0; i < valid; ++i) p[i] = t[i];
+}
+
+inline void store8(bf16* p, __m256 v, int valid) {  // round to nearest even, as torch's .to()
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int i = 0; i < std::min(valid, 8); ++i) p[i] = bf16(t[i]);
+}
+
+inline __m256i quad_products(__m256i acc, __m256i w_abs, __m256i w_signed, __m256i a, __m256i ones) {
+  const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w_signed));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+}
+
+// MR rows x one panel (16 columns as two 8-lane halves).
+template <int MR, class T>
+inline void w8a8_tile_avx2(const int8_t* __restrict xq, int64_t K, const float* __restrict sx,
+                           const uint8_t* __restrict panel, int64_t K4, int64_t n0, int64_t N, T* __restrict out,
+                           int64_t os, const float* __restrict scale, const float* __restrict bias) {
+  __m256i acc[MR][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64)), flip);
+    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64 + 32)), flip);
+    const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, xq + i * K + 4 * k4, sizeof quad);
+      const __m256i a = _mm256_set1_epi32(quad);
+      acc[i][0] = quad_products(acc[i][0], a0, w0, a, ones);
+      acc[i][1] = quad_products(acc[i][1], a1, w1, a, ones);
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c0 = n0 + 8 * h;
+    const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
+    if (valid <= 0) break;
+    alignas(32) float sb[8] = {0, 0, 0, 0, 0, 0, 0, 0}, bb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c = 0; c < valid; ++c) {
+      sb[c] = scale[c0 + c];
+      if (bias) bb[c] = bias[c0 + c];
+    }
+    const __m256 sv = _mm256_load_ps(sb), bv = _mm256_load_ps(bb);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_mul_ps(sv, _mm256_set1_ps(sx[i])), bv);
+      store8(out + i * os + c0, y, valid);
+    }
+  }
+}
+
+constexpr int64_t kRowsPerTileAvx2 = 4;  // 8 int32 accumulators of one panel: 16 ymm registers in all
+
+template <class T>
+void w8a8_linear_avx2(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, int64_t panels, int64_t n,
+                      const float* scale, const float* bias, T* op) {
+  RowsI8 rows;
+  round_rows_i8_avx2(xp, xs, M, K, rows);
+  const int64_t K4 = K / 4;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = wp + p * K4 * 64;
+      for (int64_t m = 0; m < M; m += kRowsPerTileAvx2) {
+        const int64_t mr = std::min<int64_t>(kRowsPerTileAvx2, M - m);
+        const int8_t* xq = rows.q.data() + m * K;
+        const float* sx = rows.scale.data() + m;
+        T* orow = op + m * n;
+        switch (mr) {
+          case 4: w8a8_tile_avx2<4, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+          case 3: w8a8_tile_avx2<3, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+          case 2: w8a8_tile_avx2<2, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+          default: w8a8_tile_avx2<1, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
-              "w8a8_linear: x (M, K) bfloat16, rows contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "w8a8_linear: x (M, K) bfloat16 or float32, rows contiguous");
   const int64_t M = x.size(0), K = x.size(1), n = scales.numel();
   TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 4 && w.scalar_type() == at::kByte &&
                   w.size(1) * 4 == K && w.size(0) * 16 >= n && w.size(0) * 16 < n + 16 && K % 16 == 0,
@@ -1544,7 +1702,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     bp = bias->data_ptr<float>();
   }
   at::Tensor out = at::empty({M, n}, x.options());
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LORAPLEX_W8A8_VNNI) || defined(LORAPLEX_W8A8_AVX2)
   if (M == 0) return out;
   std::vector<float> sf;
   const float* scale = nullptr;
@@ -1556,6 +1714,21 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     for (int64_t i = 0; i < n; ++i) sf[i] = to_f(sp[i]);
     scale = sf.data();
   }
+#endif
+#if defined(LORAPLEX_W8A8_AVX2)
+  if (x.scalar_type() == at::kFloat) {
+    w8a8_linear_avx2(x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(0), n, scale, bp,
+                     out.data_ptr<float>());
+    return out;
+  }
+#endif
+#if !defined(LORAPLEX_W8A8_VNNI) && defined(LORAPLEX_W8A8_AVX2)
+  w8a8_linear_avx2(x.data_ptr<bf16>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(0), n, scale, bp,
+                   out.data_ptr<bf16>());
+  return out;
+#endif
+#if defined(LORAPLEX_W8A8_VNNI)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "w8a8_linear: this build has no float32 kernel (has_w8a8_linear_f32)");
   RowsI8 rows;
   round_rows_i8(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, rows);
   const auto* wp = w.data_ptr<uint8_t>();
@@ -1575,9 +1748,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     }
   });
   return out;
-#else
+#endif
+#if !defined(LORAPLEX_W8A8_VNNI) && !defined(LORAPLEX_W8A8_AVX2)
   (void)M; (void)K; (void)bp;
-  TORCH_CHECK(false, "w8a8_linear: this build has no AVX512-VNNI (see has_w8a8_linear)");
+  TORCH_CHECK(false, "w8a8_linear: this build has neither AVX512-VNNI nor AVX2 (see has_w8a8_linear)");
 #endif
 }
 
@@ -1798,8 +1972,111 @@ void f32_tile_nr(int nr, const float* x, int64_t xs, const float* w, int64_t K, 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define LORAPLEX_F32_AVX2 1
+// The AVX2 twin, also over int8 panels (N_pad / 16, K, 16) widened to fp32 in registers (int8_linear with
+// float32 x, per-column scales applied once at the end; built on AVX-512 machines too): a 16-column panel is
+// two 8-lane halves, so a tile of MR rows x NR panels holds 2 MR NR accumulators; the shapes below keep
+// them, the weights and the broadcast within 16 ymm registers.
+inline __m256 load8_weights(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_weights(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MR, int NR, class W>
+inline void f32_tile_avx2(const float* __restrict x, int64_t xs, const W* __restrict w, int64_t K, int64_t p0,
+                          int64_t N, float* __restrict out, int64_t os, const float* __restrict scale,
+                          const float* __restrict bias) {
+  __m256 acc[MR][2 * NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const W* panel[NR];
+  for (int j = 0; j < NR; ++j) panel[j] = w + (p0 + j) * K * 16;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b[2 * NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      b[2 * j] = load8_weights(panel[j] + k * 16);
+      b[2 * j + 1] = load8_weights(panel[j] + k * 16 + 8);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * xs + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * NR; ++j) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 2 * NR; ++j) {
+    const int64_t c0 = (p0 + j / 2) * 16 + 8 * (j % 2);
+    const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
+    if (valid <= 0) continue;
+    alignas(32) float bb[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sb[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int c = 0; c < valid; ++c) {
+      if (bias) bb[c] = bias[c0 + c];
+      if (scale) sb[c] = scale[c0 + c];
+    }
+    const __m256 bv = _mm256_load_ps(bb), sv = _mm256_load_ps(sb);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      float* dst = out + i * os + c0;
+      const __m256 y = _mm256_fmadd_ps(acc[i][j], sv, bv);
+      if (valid == 8) {
+        _mm256_storeu_ps(dst, y);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, y);
+        for (int c = 0; c < valid; ++c) dst[c] = t[c];
+      }
+    }
+  }
+}
+
+// Rows [0, mr) of panels p0 .. p0 + nr - 1: 1 row x up to 4 panels, 2-3 rows x 2, 4-6 rows x 1 (at 6 rows
+// a k step loads 64 bytes for 12 FMAs: the panel group comes from L2 once per 6 rows of a long prompt).
+template <int MR, class W>
+void f32_rows_avx2(int nr, const float* x, int64_t xs, const W* w, int64_t K, int64_t p0, int64_t N, float* out,
+                   int64_t os, const float* scale, const float* bias) {
+  constexpr int kMaxNr = MR == 1 ? 4 : (MR <= 3 ? 2 : 1);
+  for (int p = 0; p < nr; p += kMaxNr) {
+    switch (std::min(kMaxNr, nr - p)) {
+      case 4: f32_tile_avx2<MR, (kMaxNr >= 4 ? 4 : 1), W>(x, xs, w, K, p0 + p, N, out, os, scale, bias); break;
+      case 3: f32_tile_avx2<MR, (kMaxNr >= 3 ? 3 : 1), W>(x, xs, w, K, p0 + p, N, out, os, scale, bias); break;
+      case 2: f32_tile_avx2<MR, (kMaxNr >= 2 ? 2 : 1), W>(x, xs, w, K, p0 + p, N, out, os, scale, bias); break;
+      default: f32_tile_avx2<MR, 1, W>(x, xs, w, K, p0 + p, N, out, os, scale, bias); break;
+    }
+  }
+}
+
+// y = x @ (W * scale).T + bias over fp32 or int8 panels (P, K, 16), float32 x.
+template <class W>
+void f32_linear_avx2(const float* xp, int64_t xs, int64_t M, const W* wp, int64_t K, int64_t panels, int64_t n,
+                     const float* scale, const float* bp, float* op) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
+      for (int64_t m = 0; m < M; m += kRowsPerTile) {
+        const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+        const float* xr = xp + m * xs;
+        float* orow = op + m * n;
+        switch (mr) {
+          case 6: f32_rows_avx2<6, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+          case 5: f32_rows_avx2<5, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+          case 4: f32_rows_avx2<4, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+          case 3: f32_rows_avx2<3, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+          case 2: f32_rows_avx2<2, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+          default: f32_rows_avx2<1, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 bool has_f32_linear() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LORAPLEX_F32_AVX2)
   return true;
 #else
   return false;
@@ -1844,12 +2121,50 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
     }
   });
   return out;
+#elif defined(LORAPLEX_F32_AVX2)
+  if (M == 0) return out;
+  f32_linear_avx2(x.data_ptr<float>(), xs, M, w.data_ptr<float>(), K, panels, n, nullptr, bp, out.data_ptr<float>());
+  return out;
 #else
   (void)bp; (void)M; (void)K; (void)panels; (void)xs;
-  TORCH_CHECK(false, "f32_linear: this build has no AVX-512 (see has_f32_linear)");
+  TORCH_CHECK(false, "f32_linear: this build has neither AVX-512 nor AVX2 (see has_f32_linear)");
 #endif
 }
 
+bool has_int8_linear_f32() {
+#if defined(LORAPLEX_F32_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// int8 weight-only with float32 x: int8 panels (P, K, 16) widened to fp32 in registers (AVX2 builds).
+at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_linear: x (M, K) float32, rows contiguous");
+  const int64_t n = scales.numel(), M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) == 16 && w.scalar_type() == at::kChar && w.size(1) == K &&
+                  w.size(0) * 16 >= n && w.size(0) * 16 < n + 16,
+              "int8_linear: float32 x needs int8 panels (P, K, 16) for this K and N");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "int8_linear: scales (N,) float32");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int8_linear: bias (N,) float32");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, n}, x.options());
+#if defined(LORAPLEX_F32_AVX2)
+  if (M == 0) return out;
+  f32_linear_avx2(x.data_ptr<float>(), x.stride(0), M, w.data_ptr<int8_t>(), K, w.size(0), n,
+                  scales.data_ptr<float>(), bp, out.data_ptr<float>());
+  return out;
+#else
+  (void)bp;
+  TORCH_CHECK(false, "int8_linear: this build has no AVX2 float32 kernel (see has_int8_linear_f32)");
+#endif
+}
 
 // ---- decode_layer ------------------------------------------------------------------------------------------
 // One decoder layer of a step in which every sequence decodes one token: the ops above in the model's order
@@ -1955,6 +2270,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_f32_linear() -> bool", &has_f32_linear);
   m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("has_w8a8_linear() -> bool", &has_w8a8_linear);
+  m.def("has_w8a8_linear_f32() -> bool", &has_w8a8_linear_f32);
+  m.def("has_int8_linear_f32() -> bool", &has_int8_linear_f32);
   m.def("decode_layer(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "

@@ -136,16 +136,18 @@ def test_rope_store_kv_equals_the_twin(ops, dtype):
 
 
 def _need_panels(ops, dtype):
-    """The panel GEMMs are compiled only where the compiler targets AVX-512 (and AVX512-BF16 for bf16)."""
+    """The panel GEMMs are compiled only where the compiler targets AVX512-BF16 (bf16), AVX-512 or AVX2 (fp32)."""
     if not (ops.has_bf16_linear() if dtype == torch.bfloat16 else ops.has_f32_linear()):
-        pytest.skip(f"this CPU has no native {dtype} panel kernel (no AVX-512{' BF16' if dtype == torch.bfloat16 else ''})")
+        pytest.skip(f"this CPU has no native {dtype} panel kernel "
+                    f"({'no AVX512-BF16' if dtype == torch.bfloat16 else 'neither AVX-512 nor AVX2'})")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [0, 1, 5, 6, 7, 13, 40])
-@pytest.mark.parametrize(("n", "k"), [(96, 80), (72, 64), (600, 96)])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(96, 80), (72, 64), (600, 96), (44, 48)])
 def test_panel_linear_equals_f_linear(ops, dtype, m, n, k):
-    """Every tile shape: rows 1..6 and their remainders, panel groups of 1..4, N not a multiple of 16."""
+    """Every tile shape: rows 1..6 and their remainders (AVX2: 1 row x 4 panels, 2-3 x 2, 4-6 x 1), panel
+    groups of 1..4, N not a multiple of 16 (72: half a panel; 44: part of one half)."""
     _need_panels(ops, dtype)
     g = torch.Generator().manual_seed(m + n)
     w, bias = (torch.randn(n, k, generator=g) / k**0.5).to(dtype), torch.randn(n, generator=g).to(dtype)
@@ -175,55 +177,71 @@ def test_panel_linear_takes_strided_rows_and_leading_dims(ops):
     torch.testing.assert_close(dense_cpu.linear(x3, packed), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 6, 7, 13, 64])
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 32), (600, 96)])
-def test_int8_panels_equal_the_dequantized_product(ops, m, n, k):
-    """Streaming tiles (up to 6 rows) and the widened-to-bf16 path (more rows), with a bias."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 64])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 32), (600, 96), (44, 48)])
+def test_int8_panels_equal_the_dequantized_product(ops, m, n, k, dtype):
+    """Streaming tiles (up to 6 rows) and the widened-to-bf16 path (more rows), with a bias; float32
+    activations read single-k int8 panels (the AVX2 kernel, fp32 sums: within fp32 rounding)."""
     from kernels.quant import dequantize, int8_rows, linear, place, quantize_int8
 
-    _need_panels(ops, torch.bfloat16)
+    if dtype == torch.bfloat16:
+        _need_panels(ops, torch.bfloat16)
+    elif not ops.has_int8_linear_f32():
+        pytest.skip("this CPU has no native int8 kernel for float32 activations (no AVX2)")
     g = torch.Generator().manual_seed(m * n)
-    q = quantize_int8(torch.randn(n, k, generator=g), torch.bfloat16)
+    q = quantize_int8(torch.randn(n, k, generator=g), dtype)
     placed = place(q, "cpu")
     assert placed.layout == "panels" and placed.shape == (n, k)
     assert torch.equal(int8_rows(placed), q.qweight) and torch.equal(dequantize(placed), dequantize(q))
-    x = torch.randn(m, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for b in (None, bias):
         want = F.linear(x.float(), dequantize(q), None if b is None else b.float())
         got = linear(x, placed, b)
-        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     assert isinstance(place(placed, "cpu").qweight, torch.Tensor)  # placing again keeps the values
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)
 
 
-@pytest.mark.parametrize("m", [1, 2, 6, 7, 13, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 32), (600, 96), (16, 1536)])
-def test_w8a8_quads_equal_the_integer_product(ops, m, n, k):
-    """One tile (1-6 rows, no prefetch) and several, N not a multiple of 16, a long K, an all-zero row, a
-    bias: the exact integer product of the rounded rows and q (float64), scaled once, rounded to bf16."""
+def test_w8a8_quads_equal_the_integer_product(ops, m, n, k, dtype):
+    """One tile (1-6 rows, 4 on AVX2; no prefetch) and several, N not a multiple of 16 (nor of 8), a long
+    K, an all-zero row, a bias, weights and rows at the +-127 extremes (AVX2 sums products in int16 pairs:
+    they must not saturate): the exact integer product of the rounded rows and q (float64), scaled once,
+    in x's dtype (bf16: VNNI or AVX2 builds; float32: AVX2 builds)."""
     from kernels.quant import int8_rows, linear, place, quantize_int8, round_rows_int8
 
-    if not ops.has_w8a8_linear():
-        pytest.skip("no AVX512-VNNI here: w8a8 runs the rounded rows through the weight-only path")
+    if not (ops.has_w8a8_linear() if dtype == torch.bfloat16 else ops.has_w8a8_linear_f32()):
+        pytest.skip(f"no native int8 kernel for {dtype} x here: w8a8 runs the rounded rows through the "
+                    "weight-only path")
     g = torch.Generator().manual_seed(m * n + k)
-    q = quantize_int8(torch.randn(n, k, generator=g), torch.bfloat16, activations="int8")
+    w = torch.randn(n, k, generator=g)
+    w[0, : k // 2] = w[0].abs().max() * torch.where(torch.arange(k // 2) % 3 == 0, -1.0, 1.0)  # q = +-127
+    q = quantize_int8(w, dtype, activations="int8")
     placed = place(q, "cpu")
     assert placed.layout == "quads" and placed.shape == (n, k) and placed.activations == "int8"
     assert torch.equal(int8_rows(placed), q.qweight)
-    assert placed.nbytes == -(-n // 16) * 16 * k + n * 2
-    x = torch.randn(m, k, generator=g).bfloat16() * 3
+    assert placed.nbytes == -(-n // 16) * 16 * k + n * q.scales.element_size()
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0, : k // 2] = torch.where(torch.arange(k // 2) % 2 == 0, -5.0, 5.0).to(dtype)  # qx = +-127 against q = +-127
     x[m // 2] = 0  # its scale is 0: the row's products are 0 (plus the bias), not NaN
-    bias = torch.randn(n, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).to(dtype)
     qx, sx = round_rows_int8(x)
     for b in (None, bias):
         exact = (qx.double() @ q.qweight.double().T) * sx.double()[:, None] * q.scales.double()[None, :]
         if b is not None:
             exact = exact + b.double()
         got = linear(x, placed, b)
-        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-        torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
+        assert got.dtype == dtype and got.shape == (m, n)
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
+        else:
+            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)  # placing again keeps the values
 
 
