@@ -96,6 +96,13 @@ inline void softmax_numerators(float* __restrict scores, const float* mx, int64_
   }
 }
 
+inline const float* row_f32(const float* row, float*, int64_t) { return row; }
+inline const float* row_f32(const bf16* row, float* widened, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) widened[d] = to_f(row[d]);
+  return widened;
+}
+
 // One (sequence, kv head): the G query heads that share the kv head attend keys [lo, len).
 template <typename KV>
 void decode_one(const float* __restrict q,  // (G, D), scaled
@@ -106,11 +113,10 @@ void decode_one(const float* __restrict q,  // (G, D), scaled
   const int64_t n = len - lo;
   float mx[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
-  float kf[kMaxHeadDim];
+  float widened[kMaxHeadDim];  // a bf16 row in fp32 (fp32 rows are read in place)
   for (int64_t j = lo; j < len; ++j) {
     const KV* k = k_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+    const float* kf = row_f32(k, widened, D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float s = 0.f;
@@ -125,13 +131,12 @@ void decode_one(const float* __restrict q,  // (G, D), scaled
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = lo; j < len; ++j) {
     const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(v[d]);
+    const float* vf = row_f32(v, widened, D);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + (j - lo)];
       float* ag = acc + g * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
     }
   }
   for (int64_t g = 0; g < G; ++g) {

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from wire.checkpoint import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -161,11 +163,12 @@ def test_the_native_decode_layer_gives_the_op_by_op_tokens(make_model, family, o
     from kernels import native_cpu
 
     ops = native_cpu.ops()
-    if ops is None or not ops.has_f32_linear() or ("dtype" in fields or "quantization" in fields) and not ops.has_bf16_linear():
-        pytest.skip("panels need the AVX-512 (bf16: AVX512-BF16) native kernels")
-    if fields.get("quantization") == "w8a8" and not ops.has_w8a8_linear():
-        pytest.skip("quads need the AVX512-VNNI native kernel")
     model_dir = make_model(family, **overrides)
+    dtype = EngineConfig(model=str(model_dir), **fields).torch_dtype(ModelConfig.from_pretrained(model_dir))
+    needs = {"none": ("has_f32_linear", "has_bf16_linear"), "int8": ("has_int8_linear_f32", "has_bf16_linear"),
+             "w8a8": ("has_w8a8_linear_f32", "has_w8a8_linear")}[fields.get("quantization", "none")]
+    if ops is None or not getattr(ops, needs[dtype == torch.bfloat16])():
+        pytest.skip(f"no native {dtype} panel kernel for {fields.get('quantization', 'dense')} weights here")
     prompts = random_prompts(600, [5, 40, 1, 23, 17, 9], seed=5)
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     runs = []

@@ -105,10 +105,10 @@ def test_weight_bytes_count_what_stays_resident(make_model, family) -> None:
     linear_params = sum(n * k for n, k in linears)
     assert dense.weight_bytes == 2 * sum(p.numel() for p in dense.model.dequantized_state_dict().values())
     rest = dense.weight_bytes - 2 * linear_params  # embeddings, norms: bf16 either way
-    int8 = LLM(model_dir, num_kv_blocks=8, quantization="int8").engine.runner  # auto dtype: bf16 on CPU
+    int8 = LLM(model_dir, dtype="bfloat16", num_kv_blocks=8, quantization="int8").engine.runner
     assert int8.dtype == torch.bfloat16
     assert int8.weight_bytes == rest + linear_params + 2 * sum(n for n, _ in linears)
-    w8a8 = LLM(model_dir, num_kv_blocks=8, quantization="w8a8").engine.runner
+    w8a8 = LLM(model_dir, dtype="bfloat16", num_kv_blocks=8, quantization="w8a8").engine.runner
     assert w8a8.weight_bytes == int8.weight_bytes
     int4 = LLM(model_dir, num_kv_blocks=8, quantization="int4", quantization_group_size=32).engine.runner
     assert int4.weight_bytes == rest + linear_params // 2 + sum(2 * 2 * n * (k // 32) for n, k in linears)
