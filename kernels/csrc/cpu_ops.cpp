@@ -1220,6 +1220,14 @@ struct Prefetcher {
   }
 };
 
+// The fp32 bias of a panel GEMM with n outputs, checked, or nullptr.
+inline const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, op,
+              ": bias (N,) float32");
+  return bias->data_ptr<float>();
+}
+
 // ---- bf16_linear --------------------------------------------------------------------------------------
 // Packed weight: (N_pad / 16, K / 2, 16, 2) bf16, element [p, k2, j, t] = W[16 p + j, 2 k2 + t] (zero past N):
 // one 64-byte load is 16 output columns x 2 consecutive k, the operand layout of VDPBF16PS. A tile of MR
@@ -1377,12 +1385,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
   TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 2 &&
                   w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == x.size(1) && w.size(0) * 16 >= n,
               "bf16_linear: w must be packed for this K and N");
-  const float* bp = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "bf16_linear: bias (N,) float32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, n, "bf16_linear");
   return panel_linear_bf16(x, w, n, nullptr, bp);
 }
 
@@ -1400,12 +1403,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "int8_linear: w must be int8 panels for this K and N");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous(),
               "int8_linear: scales (N,) float32 or bfloat16");
-  const float* bp = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "int8_linear: bias (N,) float32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, n, "int8_linear");
   if (scales.scalar_type() == at::kFloat) return panel_linear_bf16(x, w, n, scales.data_ptr<float>(), bp);
   std::vector<float> sf(static_cast<size_t>(n));
   const bf16* sp = scales.data_ptr<bf16>();
@@ -1700,12 +1698,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "w8a8_linear: w must be uint8 quads for this K and N (K a multiple of 16)");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous(),
               "w8a8_linear: scales (N,) float32 or bfloat16");
-  const float* bp = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "w8a8_linear: bias (N,) float32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, n, "w8a8_linear");
   at::Tensor out = at::empty({M, n}, x.options());
 #if defined(LORAPLEX_W8A8_VNNI) || defined(LORAPLEX_W8A8_AVX2)
   if (M == 0) return out;
@@ -1887,12 +1880,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "int4_linear: scale_zeros (G, N, 2) bfloat16, G dividing K / 4");
   const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0), tpg = K4 / G, group = K / G;
   TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "int4_linear: the panels do not hold N columns");
-  const float* bp = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "int4_linear: bias (N,) float32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, n, "int4_linear");
   at::Tensor out = at::empty({M, n}, x.options());
 #if defined(__AVX512BF16__)
   if (M == 0) return out;
@@ -2094,12 +2082,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) == 16 && w.scalar_type() == at::kFloat &&
                   w.size(1) == x.size(1) && w.size(0) * 16 >= n,
               "f32_linear: w must be packed for this K and N");
-  const float* bp = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "f32_linear: bias (N,) float32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, n, "f32_linear");
   const int64_t M = x.size(0), K = w.size(1), panels = w.size(0), xs = x.stride(0);
   at::Tensor out = at::empty({M, n}, x.options());
 #if defined(__AVX512F__)
@@ -2153,12 +2136,7 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
                   w.size(0) * 16 >= n && w.size(0) * 16 < n + 16,
               "int8_linear: float32 x needs int8 panels (P, K, 16) for this K and N");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "int8_linear: scales (N,) float32");
-  const float* bp = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "int8_linear: bias (N,) float32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, n, "int8_linear");
   at::Tensor out = at::empty({M, n}, x.options());
 #if defined(LORAPLEX_F32_AVX2)
   if (M == 0) return out;
