@@ -113,8 +113,15 @@ def test_priority_zero_overtakes_queued_priority_two(gateway):
 
             low = [asyncio.create_task(one(2)) for _ in range(20)]
             await _wait_queued(gateway, 15)
+            high = [asyncio.create_task(one(0)) for _ in range(5)]
+            # Counted once the high requests reach the queue (auth and tokenization come first), not when
+            # they are sent: a low one that finishes meanwhile is rightly followed by the next low one.
+            deadline = time.monotonic() + 20
+            while not gateway.admission.queue.depth_by_priority().get(0, 0) and 0 not in done:
+                assert time.monotonic() < deadline, "high-priority requests never queued"
+                await asyncio.sleep(0.001)
             low_before = done.count(2)
-            await asyncio.gather(*[one(0) for _ in range(5)], *low)
+            await asyncio.gather(*high, *low)
             return low_before
 
     low_before = asyncio.run(run())
