@@ -109,13 +109,14 @@ def pack(w: torch.Tensor) -> PackedDense:
     return PackedDense(torch.ops.mkldnn._reorder_linear_weight(w, None), (n, k), w.dtype)
 
 
-def panel(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> panels of 16 rows, zero-padded past N: 2-byte and 1-byte types (bf16, int8) as (P, K / 2,
-    16, 2), 16 columns x 2 consecutive k per load; fp32 as (P, K, 16)."""
+def panel(w: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+    """(N, K) -> panels of 16 rows, zero-padded past N: with k pairs (the default for 2-byte and 1-byte
+    types, bf16 and int8) as (P, K / 2, 16, 2), 16 columns x 2 consecutive k per load; single k (the
+    default for fp32, and int8 read with fp32 activations) as (P, K, 16)."""
     n, k = w.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=w.dtype, device=w.device)
     padded[:n] = w
-    if w.dtype == torch.float32:
+    if not (w.dtype != torch.float32 if pairs is None else pairs):
         return padded.view(-1, PANEL, k).permute(0, 2, 1).contiguous()
     return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
@@ -130,7 +131,7 @@ def unpanel(panels: torch.Tensor, n: int) -> torch.Tensor:
 def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an int8 (N, K) weight goes to int8 panels: on the CPU, with bf16 scales (activations), an
     even K and the native bf16 kernel built (K-pair panels), or with float32 scales and the native AVX2
-    kernel built (single-k panels, `int8_panel`)."""
+    kernel built (single-k panels: `panel(q, pairs=False)`)."""
     if q.device.type != "cpu":
         return False
     if scales.dtype == torch.bfloat16:
@@ -142,17 +143,6 @@ def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
         return False
     _bind(ops)
     return True
-
-
-def int8_panel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """An int8 (N, K) weight's panels for activations in its scales' dtype: bf16 as (P, K / 2, 16, 2) (the
-    bf16 kernel's k pairs), float32 as (P, K, 16) (the fp32 layout); `unpanel` reads either."""
-    if scales.dtype == torch.float32:
-        n, k = q.shape
-        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=q.dtype, device=q.device)
-        padded[:n] = q
-        return padded.view(-1, PANEL, k).permute(0, 2, 1).contiguous()
-    return panel(q)
 
 
 def can_pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -198,7 +188,7 @@ def bf16_panels_ready(k: int) -> bool:
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = (x @ q.T) * scales + bias over int8 panels (`int8_panel`; x bf16 or float32, as the scales): q
+    """y = (x @ q.T) * scales + bias over int8 panels (k pairs for bf16 x, single k for float32 x, as the scales): q
     widened to x's dtype exactly in registers, fp32 sums.
 
     Semantics: the reference is F.linear(x.float(), unpanel(qweight) * scales[:, None], bias), in x's dtype.
@@ -206,7 +196,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     assert _INT8_LINEAR is not None, "int8 panels are only made where the native ops run"
     if x.dim() == 2 and x.stride(1) == 1 and bias is None:
         return _INT8_LINEAR(x, qweight, scales, None)
-    x2, b = _rows(x, scales_k(qweight)), _bias(bias)
+    x2, b = _rows(x, qweight.shape[1] * (2 if qweight.dim() == 4 else 1)), _bias(bias)
     return _INT8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
 
 
@@ -235,11 +225,6 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tenso
     assert _INT4_LINEAR is not None, "int4 panels are only made where the native ops run"
     x2, b = _rows(x, qweight.shape[1] * 4), _bias(bias)
     return _INT4_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
-
-
-def scales_k(qweight: torch.Tensor) -> int:
-    """K of int8 panels in either layout of `int8_panel`."""
-    return qweight.shape[1] * (2 if qweight.dim() == 4 else 1)
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -176,9 +176,10 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 def place(w: Weight, device: torch.device | str) -> Weight:
     """w on `device` in the layout its kernels read: a dense CPU weight is prepacked (kernels.dense_cpu: the
     native panels, or oneDNN's layout); int8 and int4 with bf16 scales go to the native int8 / int4 panels
-    where the native bf16 kernel runs, int8 with float32 scales to int8 panels where the AVX2 kernel runs; else int4 goes to torch's CPU layout where that kernel exists and N
-    is a multiple of 16 (else it stays in nibbles and is dequantized per call). int8 with int8 activations
-    goes to the native quads where the VNNI kernel runs, else stays in rows."""
+    where the native bf16 kernel runs, int8 with float32 scales to int8 panels where the AVX2 kernel runs;
+    else int4 goes to torch's CPU layout where that kernel exists and N is a multiple of 16 (else it stays
+    in nibbles and is dequantized per call). int8 with int8 activations goes to the native quads where a
+    native int8 x int8 kernel reads the scales' dtype (VNNI, AVX2), else stays in rows."""
     device = torch.device(device)
     if isinstance(w, PackedDense):
         w = dense_cpu.unpack(w)
@@ -190,7 +191,8 @@ def place(w: Weight, device: torch.device | str) -> Weight:
         if w.activations == "int8" and dense_cpu.can_pack_w8a8(q, w.scales):
             return Int8Weight(dense_cpu.quads(q), w.scales.contiguous(), "quads", "int8")
         if w.activations == "float" and dense_cpu.can_pack_int8(q, w.scales):
-            return Int8Weight(dense_cpu.int8_panel(q, w.scales), w.scales.contiguous(), "panels")
+            pairs = w.scales.dtype == torch.bfloat16  # fp32 activations read single-k panels
+            return Int8Weight(dense_cpu.panel(q, pairs), w.scales.contiguous(), "panels")
         return Int8Weight(q, w.scales.to(device), activations=w.activations)
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4_panels(w):
         return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,

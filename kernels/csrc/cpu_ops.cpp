@@ -1611,7 +1611,7 @@ inline void store8(float* p, __m256 v, int valid) {
 inline void store8(bf16* p, __m256 v, int valid) {  // round to nearest even, as torch's .to()
   alignas(32) float t[8];
   _mm256_store_ps(t, v);
-  for (int i = 0; i < std::min(valid, 8); ++i) p[i] = bf16(t[i]);
+  for (int i = 0; i < valid; ++i) p[i] = bf16(t[i]);
 }
 
 inline __m256i quad_products(__m256i acc, __m256i w_abs, __m256i w_signed, __m256i a, __m256i ones) {
@@ -2014,15 +2014,7 @@ inline void f32_tile_avx2(const float* __restrict x, int64_t xs, const W* __rest
     const __m256 bv = _mm256_load_ps(bb), sv = _mm256_load_ps(sb);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      float* dst = out + i * os + c0;
-      const __m256 y = _mm256_fmadd_ps(acc[i][j], sv, bv);
-      if (valid == 8) {
-        _mm256_storeu_ps(dst, y);
-      } else {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, y);
-        for (int c = 0; c < valid; ++c) dst[c] = t[c];
-      }
+      store8(out + i * os + c0, _mm256_fmadd_ps(acc[i][j], sv, bv), valid);
     }
   }
 }
