@@ -17,6 +17,8 @@
 //   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16
 //   w8a8_linear        int8 weights x the activations rounded to int8 per row at the call, int32 sums by
 //                      AVX512-VNNI (bf16 x), or by AVX2 byte and word multiply-adds (bf16 or float32 x)
+//                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
+//                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
 //   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order
@@ -33,8 +35,19 @@
 #include <immintrin.h>
 #endif
 
+// AMX tiles (Sapphire Rapids and later) for the panel GEMMs at prefill and batched sizes; the OS must also
+// grant the process the tile state (amx::permitted), else the AVX-512 tiles run.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define LORAPLEX_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -1329,6 +1342,204 @@ void bf16_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w,
 }
 #endif
 
+// ---- AMX tiles ---------------------------------------------------------------------------------------------
+// The panels are already the tile products' B operand: 16 k pairs (bf16) or 16 k quads (int8 quads) of one
+// panel are 16 rows of 64 bytes, the layout TDPBF16PS and TDPBSUD read. A is 16 rows of x (32 bf16 or 64
+// int8 k each), C a 16 x 16 fp32 / int32 block. A block of up to 2 x 16 rows x 2 panels keeps four C tiles,
+// two A and two B (all eight tiles), each A and B load feeding two products; a thread walks its panel pairs
+// and, for each, every row block, so the pair's weights stay in L2 while x streams past them.
+namespace amx {
+
+constexpr int64_t kMinRows = 4;  // fewer rows: the AVX-512 tiles (decode sizes stream the weights either way)
+
+#if defined(LORAPLEX_AMX)
+// Linux gives a process the 8 KB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool permitted() {
+  static const bool ok = [] {
+    constexpr int kReqPerm = 0x1023, kGetPerm = 0x1022, kXtiledata = 18;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;
+    if (syscall(SYS_arch_prctl, kGetPerm, &granted) != 0) return false;
+    return (granted & (1ul << kXtiledata)) != 0;
+  }();
+  return ok;
+}
+#else
+bool permitted() { return false; }
+#endif
+
+// set_amx(false), or LORAPLEX_AMX=0 in the environment: the AVX-512 tiles everywhere (tests, A/B measurements)
+std::atomic<bool> wanted{[] {
+  const char* env = std::getenv("LORAPLEX_AMX");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
+
+inline bool use(int64_t M) { return M >= kMinRows && wanted.load(std::memory_order_relaxed) && permitted(); }
+
+#if defined(LORAPLEX_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. Loaded at the start of each thread's share: the tile configuration is per
+// thread and other libraries (oneDNN) load their own between our calls.
+struct Tiles {
+  Tiles() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+  }
+  ~Tiles() { _tile_release(); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+
+// C tiles 0 .. 3 = (row block 0, panel 0), (0, 1), (1, 0), (1, 1), stored to c[4][16][16].
+template <int MT, int NT, bool I8>
+inline void block(const char* x, int64_t xs_bytes, const char* w0, const char* w1, int64_t steps, void* c) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (MT > 1) _tile_zero(2);
+  if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+  const char* x1 = x + 16 * xs_bytes;
+  for (int64_t s = 0; s < steps; ++s) {  // 64 bytes of every row of x and 16 rows (1 KB) of each panel
+    _tile_loadd(4, x + s * 64, xs_bytes);
+    _tile_loadd(6, w0 + s * 1024, 64);
+    if constexpr (I8) _tile_dpbsud(0, 4, 6); else _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(7, w1 + s * 1024, 64);
+      if constexpr (I8) _tile_dpbsud(1, 4, 7); else _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MT > 1) {
+      _tile_loadd(5, x1 + s * 64, xs_bytes);
+      if constexpr (I8) _tile_dpbsud(2, 5, 6); else _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT > 1) {
+        if constexpr (I8) _tile_dpbsud(3, 5, 7); else _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  auto* cb = static_cast<char*>(c);
+  _tile_stored(0, cb, 64);
+  if constexpr (NT > 1) _tile_stored(1, cb + 1024, 64);
+  if constexpr (MT > 1) _tile_stored(2, cb + 2048, 64);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, cb + 3072, 64);
+}
+
+template <bool I8>
+inline void block_dispatch(int mt, int nt, const char* x, int64_t xs_bytes, const char* w0, const char* w1,
+                           int64_t steps, void* c) {
+  if (mt == 2 && nt == 2) block<2, 2, I8>(x, xs_bytes, w0, w1, steps, c);
+  else if (mt == 2) block<2, 1, I8>(x, xs_bytes, w0, w1, steps, c);
+  else if (nt == 2) block<1, 2, I8>(x, xs_bytes, w0, w1, steps, c);
+  else block<1, 1, I8>(x, xs_bytes, w0, w1, steps, c);
+}
+
+// Rows [m0, min(m0 + 16 mt, M)) of panels p .. p + nt - 1 from the C tiles: fp32 sums (or int32, made
+// exact by the row's correction) times the column scale (and the row's), plus bias, rounded to bf16.
+template <bool I8>
+inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64_t p, int64_t N, uint16_t* out,
+                     int64_t os, const float* scale, const float* bias, const float* sx, const int32_t* xsum) {
+  for (int j = 0; j < nt; ++j) {
+    const int64_t n0 = (p + j) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    if (valid <= 0) continue;
+    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.f);
+    for (int i = 0; i < mt; ++i) {
+      const char* tile = static_cast<const char*>(c) + (i * 2 + j) * 1024;
+      for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r) {
+        const int64_t row = m0 + i * 16 + r;
+        __m512 y;
+        if constexpr (I8) {
+          const __m512i acc = _mm512_load_si512(tile + r * 64);
+          const __m512i exact = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum[row]));
+          y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sv, _mm512_set1_ps(sx[row])), bv);
+        } else {
+          y = _mm512_fmadd_ps(_mm512_load_ps(reinterpret_cast<const float*>(tile + r * 64)), sv, bv);
+        }
+        _mm256_mask_storeu_epi16(out + row * os + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));  // round to nearest even
+      }
+    }
+  }
+}
+
+// x (M, K) with M a multiple of 16 (or padded to one), rows xs_bytes apart; `weights(pair, buffer)` gives the
+// B operand of panels 2 pair and 2 pair + 1 (the panels themselves, or a widened copy in `buffer`).
+template <bool I8, class Weights>
+void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t panels, int64_t N, Weights weights,
+          uint16_t* out, const float* scale, const float* bias, const float* sx, const int32_t* xsum) {
+  const int64_t Mp = (M + 15) / 16 * 16, pairs = (panels + 1) / 2, panel_bytes = steps * 1024;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    Tiles tiles;
+    alignas(64) char c[4 * 1024];
+    std::vector<char> buffer;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p = 2 * pair;
+      const int nt = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const char* w0 = weights(pair, buffer);
+      for (int64_t m = 0; m < Mp; m += 32) {
+        const int mt = static_cast<int>(std::min<int64_t>(2, (Mp - m) / 16));
+        block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + panel_bytes, steps, c);
+        epilogue<I8>(c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
+      }
+    }
+  });
+}
+
+// x's rows as tile rows: the rows themselves when M is a multiple of 16, else a zero-padded copy.
+const char* padded_rows(const char* x, int64_t xs_bytes, int64_t M, int64_t row_bytes, std::vector<char>& copy,
+                        int64_t& stride) {
+  if (M % 16 == 0) {
+    stride = xs_bytes;
+    return x;
+  }
+  const int64_t Mp = (M + 15) / 16 * 16;
+  copy.assign(static_cast<size_t>(Mp * row_bytes), 0);
+  for (int64_t i = 0; i < M; ++i) std::memcpy(copy.data() + i * row_bytes, x + i * xs_bytes, row_bytes);
+  stride = row_bytes;
+  return copy.data();
+}
+#endif
+
+}  // namespace amx
+
+bool has_amx() { return amx::permitted(); }
+
+// Turn the AMX path on or off for this process; returns whether it runs now (on and permitted).
+bool set_amx(bool enable) {
+  amx::wanted.store(enable);
+  return enable && amx::permitted();
+}
+
+#if defined(LORAPLEX_AMX)
+// bf16 x over bf16 or int8 panels (int8 widened to bf16 one panel pair at a time), K a multiple of 32.
+void amx_linear_bf16(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, const void* wp, bool i8,
+                     int64_t panels, int64_t n, uint16_t* op, const float* scale, const float* bias) {
+  std::vector<char> copy;
+  int64_t stride = 0;
+  const char* x = amx::padded_rows(reinterpret_cast<const char*>(xp), xs * 2, M, K2 * 4, copy, stride);
+  const int64_t steps = K2 / 16;
+  if (!i8) {
+    const char* w = static_cast<const char*>(wp);
+    auto weights = [&](int64_t pair, std::vector<char>&) { return w + 2 * pair * K2 * 64; };
+    amx::gemm<false>(x, stride, M, steps, panels, n, weights, op, scale, bias, nullptr, nullptr);
+    return;
+  }
+  const auto* w = static_cast<const int8_t*>(wp);
+  auto weights = [&](int64_t pair, std::vector<char>& buffer) {
+    const int64_t p = 2 * pair, count = std::min<int64_t>(2, panels - p);
+    buffer.resize(static_cast<size_t>(2 * K2 * 64));
+    for (int64_t k2 = 0; k2 < count * K2; ++k2)
+      _mm512_storeu_si512(buffer.data() + k2 * 64, panel_pairs<true>(w + p * K2 * 32, k2));
+    return static_cast<const char*>(buffer.data());
+  };
+  amx::gemm<false>(x, stride, M, steps, panels, n, weights, op, scale, bias, nullptr, nullptr);
+}
+#endif
+
 // y = (x @ W.T) * scale + bias over bf16 or int8 panels; int8 with more rows than one tile first widens
 // each panel group to bf16 in a per-thread buffer, so the conversion is paid once per group, not per tile.
 at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n, const float* scale,
@@ -1341,6 +1552,12 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const void* wp = w.data_ptr();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+#if defined(LORAPLEX_AMX)
+  if (amx::use(M) && K2 % 16 == 0) {
+    amx_linear_bf16(xp, xs, M, K2, wp, i8, panels, n, op, scale, bp);
+    return out;
+  }
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> widened;
     const int64_t panel_bytes = K2 * (i8 ? 32 : 64), tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
@@ -1731,6 +1948,16 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   round_rows_i8(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, rows);
   const auto* wp = w.data_ptr<uint8_t>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+#if defined(LORAPLEX_AMX)
+  if (amx::use(M) && K % 64 == 0) {  // the rounded rows padded with zero rows (scale and sum 0) to whole tiles
+    rows.q.resize(static_cast<size_t>((M + 15) / 16 * 16 * K));
+    const char* base = reinterpret_cast<const char*>(wp);
+    auto weights = [&](int64_t pair, std::vector<char>&) { return base + 2 * pair * K * 16; };
+    amx::gemm<true>(reinterpret_cast<const char*>(rows.q.data()), K, M, K / 64, w.size(0), n, weights, op, scale,
+                    bp, rows.scale.data(), rows.sum.data());
+    return out;
+  }
+#endif
   const int64_t K4 = K / 4, panels = w.size(0), panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
@@ -1867,6 +2094,55 @@ void int4_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w,
 }
 #endif
 
+#if defined(LORAPLEX_AMX)
+// int4 panels p .. p + count - 1 dequantized to bf16 panels, s (q - 8) + z rounded once per weight (zero past
+// N), into out: the AMX path's B operand for many rows (the AVX-512 path sums 128 + q and applies s and z
+// per group instead; the two agree to the bf16 rounding of a weight).
+void int4_dequant_panels(const uint8_t* w, int64_t K4, int64_t p, int64_t count, const uint16_t* sz, int64_t G,
+                         int64_t tpg, int64_t N, char* out) {
+  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512 offset = _mm512_set1_ps(136.f);  // the pairs hold 128 + q, q = nibble - 8 ... as 128 + nibble
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t n0 = (p + j) * 16;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512i pairs = _mm512_maskz_loadu_epi32(first_lanes(N - n0), sz + (g * N + n0) * 2);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      // per element of a pair vector (column c = lane / 2): its column's s and z
+      const __m512 s_lo = _mm512_permutexvar_ps(lo_cols, s), s_hi = _mm512_permutexvar_ps(hi_cols, s);
+      const __m512 z_lo = _mm512_permutexvar_ps(lo_cols, z), z_hi = _mm512_permutexvar_ps(hi_cols, z);
+      for (int64_t t = g * tpg; t < (g + 1) * tpg; ++t) {
+        __m512i two[2];
+        int4_pairs(w + ((p + j) * K4 + t) * 32, two[0], two[1]);
+        for (int h = 0; h < 2; ++h) {  // k pairs 2t and 2t + 1
+          const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(two[h])), 16));
+          const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(two[h], 1)), 16));
+          const __m512 wlo = _mm512_fmadd_ps(_mm512_sub_ps(lo, offset), s_lo, z_lo);
+          const __m512 whi = _mm512_fmadd_ps(_mm512_sub_ps(hi, offset), s_hi, z_hi);
+          _mm512_storeu_si512(out + (j * 2 * K4 + 2 * t + h) * 64, (__m512i)_mm512_cvtne2ps_pbh(whi, wlo));
+        }
+      }
+    }
+  }
+}
+
+void amx_linear_int4(const uint16_t* xp, int64_t xs, int64_t M, int64_t K4, const uint8_t* w, int64_t panels,
+                     const uint16_t* sz, int64_t G, int64_t n, uint16_t* op, const float* bias) {
+  std::vector<char> copy;
+  int64_t stride = 0;
+  const char* x = amx::padded_rows(reinterpret_cast<const char*>(xp), xs * 2, M, K4 * 8, copy, stride);
+  const int64_t tpg = K4 / G;
+  auto weights = [&](int64_t pair, std::vector<char>& buffer) {
+    const int64_t p = 2 * pair;
+    buffer.resize(static_cast<size_t>(2 * K4 * 128));
+    int4_dequant_panels(w, K4, p, std::min<int64_t>(2, panels - p), sz, G, tpg, n, buffer.data());
+    return static_cast<const char*>(buffer.data());
+  };
+  amx::gemm<false>(x, stride, M, K4 / 8, panels, n, weights, op, nullptr, bias, nullptr, nullptr);
+}
+#endif
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
@@ -1886,6 +2162,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t xs = x.stride(0);
+#if defined(LORAPLEX_AMX)
+  if (amx::use(M) && K4 % 8 == 0) {
+    amx_linear_int4(xp, xs, M, K4, w.data_ptr<uint8_t>(), P, reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr()),
+                    G, n, reinterpret_cast<uint16_t*>(out.data_ptr()), bp);
+    return out;
+  }
+#endif
   std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum over each group, fp32
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
@@ -2237,6 +2520,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
         "Tensor(c!) v_cache, Tensor slots) -> ()");
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("has_bf16_linear() -> bool", &has_bf16_linear);
+  m.def("has_amx() -> bool", &has_amx);
+  m.def("set_amx(bool enable) -> bool", &set_amx);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor b_t, Tensor ranks, Tensor scaling, "
         "Tensor token_slots, int[] slice_sizes) -> ()");

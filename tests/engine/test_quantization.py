@@ -34,8 +34,9 @@ pytest.importorskip("transformers")
 LOGIT_TOL = {"float32": 1e-4, "bfloat16": 0.1}
 # w8a8 in fp32: an fp32 summation-order difference (1e-6) can move an activation across an int8 rounding
 # boundary, one step of max|x| / 127 on one input (measured: logits 0.0000 without adapters, logprobs 0.003
-# with them); not rounding activations at all would be 0.04-0.06 off.
-W8A8_FP32_TOL = 0.01
+# with them on AMD Zen 3/4; on an Intel Xeon with AMX, one such flip moved one base-model logprob by 0.019,
+# every other logprob within 0.009); not rounding activations at all would be 0.04-0.06 off.
+W8A8_FP32_TOL = 0.03
 METHODS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4", "quantization_group_size": 32},
            "w8a8": {"quantization": "w8a8"}}
 

@@ -245,6 +245,57 @@ def test_w8a8_quads_equal_the_integer_product(ops, m, n, k, dtype):
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)  # placing again keeps the values
 
 
+@pytest.fixture
+def amx_off(ops):
+    """The AVX-512 tiles for the test's length, restored after (a failing test must not leave AMX off)."""
+    ops.set_amx(False)
+    yield
+    ops.set_amx(True)
+
+
+@pytest.mark.parametrize("m", [4, 15, 16, 17, 31, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (600, 96), (16, 1536), (72, 128)])
+def test_amx_tiles_equal_the_avx512_tiles(ops, m, n, k):
+    """Where the CPU has AMX, bf16 x of 4 rows and more runs on tiles: 1 or 2 row blocks of 16 (M not a
+    multiple of 16: a zero-padded copy) x 1 or 2 panels (an odd panel count, N not a multiple of 16) for
+    bf16 and int8 panels, int4 panels dequantized to bf16 per panel pair, and int8 x int8 quads for w8a8 (K a
+    multiple of 64; 96 keeps the AVX-512 tiles). Held to the AVX-512 tiles' results: w8a8's int32 sums are
+    exact both ways, so bit for bit; bf16 and int8 weight-only sum fp32 in another order, and int4 rounds
+    each dequantized weight to bf16, so within the output's rounding."""
+    from kernels.quant import linear, place, quantize_int4, quantize_int8
+
+    if not ops.has_amx():
+        pytest.skip("this CPU (or its OS) has no AMX tiles")
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    weights = {"bf16": dense_cpu.pack(w.bfloat16()),
+               "int8": place(quantize_int8(w, torch.bfloat16), "cpu"),
+               "w8a8": place(quantize_int8(w, torch.bfloat16, activations="int8"), "cpu"),
+               "int4": place(quantize_int4(w, 32, torch.bfloat16), "cpu")}
+    for name, packed in weights.items():
+        run = (lambda b, p=packed: dense_cpu.linear(x, p, b)) if name == "bf16" else (lambda b, p=packed: linear(x, p, b))
+        for b in (None, bias):
+            assert ops.set_amx(True)
+            tiles = run(b)
+            ops.set_amx(False)
+            try:
+                avx512 = run(b)
+            finally:
+                ops.set_amx(True)
+            assert tiles.shape == (m, n) and tiles.dtype == torch.bfloat16
+            if name == "w8a8":
+                assert torch.equal(tiles, avx512), name
+            else:
+                torch.testing.assert_close(tiles.float(), avx512.float(), rtol=1e-2, atol=1e-2 * avx512.abs().max().item())
+
+
+def test_set_amx_reports_whether_the_tiles_run(ops, amx_off):
+    assert ops.set_amx(False) is False
+    assert ops.set_amx(True) is ops.has_amx()
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(96, 64, 32), (40, 128, 64), (600, 256, 128), (72, 64, 64)])
 def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size):
