@@ -1,12 +1,16 @@
-"""Streaming entry point for servers: the engine loop in its own thread, asyncio streams per request.
+"""Streaming entry point for servers: the engine loop off the event loop, asyncio streams per request.
 
-The loop thread alone touches the LLMEngine. Callers post commands (add, abort) to an inbox; the loop
-drains it between steps, runs `step()`, and hands each request's delta (wire.protocol.GenerateDelta:
-only what is new) to the caller's event loop. A request that fails ends its stream with a
-wire.errors.RequestError carrying a stable code. The engine fails only the requests a step's fault is
-attributed to (engine/fault_isolation.py); a fault that escapes `step()` fails every request in flight
-(releasing everything they hold; the fault is logged here, tenants get only the code's message), and then
-`on_fatal` stops the loop (a worker exits and is restarted) or, without it, the loop keeps serving.
+One `EngineLoop` alone touches the LLMEngine. Callers post commands (add, abort, a call) to it; the loop
+runs them between steps, runs `step()`, and emits each request's delta (wire.protocol.GenerateDelta: only
+what is new) or the wire.errors.RequestError that ends it (a stable code). `AsyncLLM` runs the loop on a
+thread of this process; engine.core_process.ProcessAsyncLLM runs it as the main loop of a child process
+(a worker's default: no other thread of the engine's process competes with the step for the GIL). Both
+share `StreamFront`, the side callers see: a stream per request, `generate()`, `abort()`, `stats()`.
+
+The engine fails only the requests a step's fault is attributed to (engine/fault_isolation.py); a fault
+that escapes `step()` fails every request in flight (releasing everything they hold; the fault is logged
+where the engine runs, tenants get only the code's message), and then `on_fatal` stops serving (a worker
+exits and is restarted) or, without it, the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -17,16 +21,157 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine, PromptType, StepOutput
-from engine.request import AdapterRef, RequestStatus
+from engine.request import AdapterRef
 from wire.errors import ErrorCode, RequestError
 from wire.protocol import GenerateDelta
 from wire.sampling import InvalidSamplingParams, SamplingParams
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm_engine import EngineStats, LLMEngine, PromptType, StepOutput
+
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle loop sleeps before it looks again (a command wakes it at once)
+BLOCKED_NAP_S = 0.002  # a nap while every request waits on work off the loop (a grammar compile, an adapter read)
+
+
+# ----- commands: what callers post to the loop (picklable: they also cross to a child process) ----------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int = 0
+    adapter: AdapterRef | None = None
+    cache_salt: str = ""
+
+    def __call__(self, engine: LLMEngine) -> list[StepOutput]:
+        try:
+            engine.add_request(self.request_id, self.prompt, self.params, priority=self.priority,
+                               adapter=self.adapter, cache_salt=self.cache_salt)
+        except ValueError as e:  # refused: the engine's reason names what is wrong with the request
+            param = e.param if isinstance(e, InvalidSamplingParams) else None
+            return [RequestError(ErrorCode.INVALID_REQUEST, str(e), param=param, request_id=self.request_id)]
+        except Exception:  # a fault of the engine, not of the request: keep serving
+            log.exception("adding request %s failed", self.request_id)
+            return [RequestError(ErrorCode.ENGINE_ERROR, request_id=self.request_id)]
+        return []
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+    def __call__(self, engine: LLMEngine) -> list[StepOutput]:
+        out = engine.abort_request(self.request_id)
+        return [out] if out is not None else []
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """A call (`call_in_loop`): LLMEngine.load_adapter, returning its AdapterRef."""
+
+    name: str
+    path: str
+    sha256: str | None = None
+
+    def __call__(self, engine: LLMEngine) -> AdapterRef:
+        return engine.load_adapter(self.name, self.path, sha256=self.sha256)
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    name: str
+
+    def __call__(self, engine: LLMEngine) -> AdapterRef:
+        return engine.unload_adapter(self.name)
+
+
+Command = Callable[["LLMEngine"], "list[StepOutput]"]
+
+
+# ----- the engine side --------------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """Runs the commands posted since the last step, steps, emits the outputs; the only code that touches
+    its LLMEngine while it runs.
+
+    `emit(outputs)` gets each step's outputs (and those of commands) in order. On a fault no request can
+    be blamed for, every request in flight is failed and emitted, then `on_fault(error)` is called;
+    with `stop_on_fault` the loop then ends."""
+
+    def __init__(self, engine: LLMEngine, emit: Callable[[list[StepOutput]], None],
+                 on_fault: Callable[[BaseException], None], *, stop_on_fault: bool) -> None:
+        self.engine = engine
+        self.emit = emit
+        self.on_fault = on_fault
+        self.stop_on_fault = stop_on_fault
+        self.stopping = False
+        self.stats = engine.stats()  # the snapshot after the latest step (callers read it, never the engine)
+        self.step_count = 0
+        self.integrity_failures = 0
+        self.idle_checked = True
+
+    def run(self, take_commands: Callable[[float], list[Command]],
+            on_idle: Callable[[], None] | None = None) -> None:
+        """Serve until `stopping`. `take_commands(timeout)` returns the commands posted so far, waiting up
+        to `timeout` s for one when there are none (0: never wait). `on_idle()` is called each time the
+        loop finds nothing to run, after its stats were refreshed."""
+        while not self.stopping:
+            self._run(take_commands(0.0))
+            if not self.engine.has_unfinished_requests():
+                self.stats = self.engine.stats()
+                if not self.idle_checked:
+                    self._check_idle_integrity()
+                if on_idle is not None:
+                    on_idle()
+                self._run(take_commands(IDLE_WAIT_S))
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a fault no request is to blame for: fail what was in flight
+                self._fault(e)
+                continue
+            self.step_count += 1
+            self.idle_checked = False
+            self.stats = self.engine.stats()  # before emitting: a caller that saw a token sees this step
+            if outputs:
+                self.emit(outputs)
+            if not outputs and not self.engine.scheduler.running:
+                # Everything waits on something off the loop: nap briefly instead of spinning.
+                self._run(take_commands(BLOCKED_NAP_S))
+
+    def _run(self, commands: list[Command]) -> None:
+        outputs: list[StepOutput] = []
+        for cmd in commands:
+            outputs += cmd(self.engine)
+        if outputs:
+            self.emit(outputs)
+
+    def _fault(self, error: Exception) -> None:
+        log.exception("engine step failed")
+        if self.stop_on_fault:
+            self.stopping = True
+        self.emit(self.engine.fail_all(RequestError(ErrorCode.ENGINE_ERROR)))
+        self.on_fault(error)
+
+    def _check_idle_integrity(self) -> None:
+        """Once per idle spell: prove every KV block, slot pin and grammar hold is accounted for."""
+        self.idle_checked = True
+        try:
+            self.engine.scheduler.check_integrity()
+        except AssertionError:
+            self.integrity_failures += 1
+            log.exception("engine integrity check failed while idle")
+
+
+# ----- the callers' side -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -35,38 +180,28 @@ class _Stream:
     queue: asyncio.Queue  # GenerateDelta | RequestError
 
 
-class AsyncLLM:
-    def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None) -> None:
-        """`on_fatal(error)` is called (on the loop thread, once) after a step raised a fault no request
-        could be blamed for (engine.fault_isolation.EngineFault) and every request in flight was failed;
-        the loop then stops serving (a worker exits, so that its supervisor restarts it). None: the loop
-        serves on (embedded use, tests)."""
-        self.engine = engine
+class StreamFront:
+    """The side of an engine loop that callers see: a stream per request. Subclasses post commands to
+    their loop (`_post`) and hand what it emits to `_deliver`."""
+
+    def __init__(self, on_fatal: Callable[[BaseException], None] | None) -> None:
+        """`on_fatal(error)` is called (once) after a fault no request could be blamed for
+        (engine.fault_isolation.EngineFault) and every request in flight was failed; the loop then stops
+        serving (a worker exits, so that its supervisor restarts it). None: the loop serves on (embedded
+        use, tests)."""
         self.on_fatal = on_fatal
         self.fatal_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._stopping = False
-        self._stats = engine.stats()
-        self.step_count = 0
-        self._idle_checked = True
-        self.integrity_failures = 0
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None) -> AsyncLLM:
-        return cls(LLMEngine(config), on_fatal)
+    def _post(self, cmd: Command) -> None:
+        raise NotImplementedError
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
 
-    @property
-    def model_config(self):
-        return self.engine.model_config
+    def call_in_loop(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        raise NotImplementedError
 
     # ----- public API -------------------------------------------------------------------------------
 
@@ -85,20 +220,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise RequestError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-
-        def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt, params, priority=priority, adapter=adapter,
-                                        cache_salt=cache_salt)
-            except ValueError as e:  # refused: the engine's reason names what is wrong with the request
-                param = e.param if isinstance(e, InvalidSamplingParams) else None
-                self._deliver(request_id, RequestError(ErrorCode.INVALID_REQUEST, str(e), param=param,
-                                                       request_id=request_id))
-            except Exception:  # a fault of the engine, not of the request: keep serving
-                log.exception("adding request %s failed", request_id)
-                self._deliver(request_id, RequestError(ErrorCode.ENGINE_ERROR, request_id=request_id))
-
-        self._post(add)
+        self._post(AddRequest(request_id, prompt, params, priority, adapter, cache_salt))
         finished = False
         try:
             while True:
@@ -112,14 +234,79 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._post(lambda: self._abort_now(request_id))
+                self._post(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._post(lambda: self._abort_now(request_id))
+        self._post(AbortRequest(request_id))
+
+    async def load_adapter(self, name: str, path: str, *, sha256: str | None = None) -> AdapterRef:
+        """LLMEngine.load_adapter on the loop (its errors raised here)."""
+        return await self.call_in_loop(LoadAdapter(name, str(path), sha256))
+
+    async def unload_adapter(self, name: str) -> AdapterRef:
+        return await self.call_in_loop(UnloadAdapter(name))
+
+    # ----- delivery (from whichever thread hands over the loop's outputs) ------------------------------
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+        with self._lock:
+            for item in outputs:
+                final = isinstance(item, RequestError) or item.finished
+                stream = self._streams.pop(item.request_id, None) if final else self._streams.get(item.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():  # one wake-up per event loop, not one per delta
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _engine_fault(self, error: BaseException, *, stopped: bool) -> None:
+        """The loop failed every request it held for `error`. `stopped`: it serves no more, so the
+        streams whose requests it never took are failed too, new ones are refused, and on_fatal runs."""
+        if not stopped:
+            return
+        with self._lock:  # NOTE: set before the sweep, so a stream opened later is refused
+            self.fatal_error = error
+            left, self._streams = self._streams, {}
+        failure = RequestError(ErrorCode.ENGINE_ERROR)
+        for rid, stream in left.items():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failure.for_request(rid))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+
+class AsyncLLM(StreamFront):
+    """The engine loop on a thread of this process (embedded use, tests: `engine` is there to inspect)."""
+
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        super().__init__(on_fatal)
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self.loop = EngineLoop(engine, self._deliver, self._on_fault, stop_on_fault=on_fatal is not None)
+        self._thread = threading.Thread(target=self.loop.run, args=(self._take,), name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None) -> AsyncLLM:
+        from engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(config), on_fatal)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def integrity_failures(self) -> int:
+        return self.loop.integrity_failures
 
     def stats(self) -> EngineStats:
         """Snapshot taken by the loop after its latest step (cheap, thread-safe)."""
-        return self._stats
+        return self.loop.stats
 
     def call_in_loop(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """Run fn(engine) on the loop thread between steps; await the returned future for its result.
@@ -127,99 +314,48 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
-        def run() -> None:
+        def run(engine: LLMEngine) -> list[StepOutput]:
             try:
-                result = fn(self.engine)
+                result = fn(engine)
             except Exception as e:
                 loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
-                self._stats = self.engine.stats()
+                self.loop.stats = engine.stats()
                 loop.call_soon_threadsafe(_set_result, fut, result)
+            return []
 
         self._post(run)
         return fut
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopping = True
+        self.loop.stopping = True
         self._wake.set()
         self._thread.join(timeout)
         if not self._thread.is_alive():  # NOTE: the loop thread owns the engine until it has ended
             self.engine.shutdown()
 
-    # ----- loop thread ------------------------------------------------------------------------------
-
-    def _post(self, cmd: Callable[[], None]) -> None:
+    def _post(self, cmd: Command) -> None:
         self._inbox.put(cmd)
         self._wake.set()
 
-    def _abort_now(self, request_id: str) -> None:
-        out = self.engine.abort_request(request_id)
-        if out is not None:
-            self._deliver(request_id, out)
-
-    def _deliver(self, request_id: str, item: StepOutput) -> None:
-        final = isinstance(item, RequestError) or item.finished
-        with self._lock:
-            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
-    def _run(self) -> None:
-        while not self._stopping:
-            while True:
-                try:
-                    cmd = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                cmd()
-            if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.stats()
-                if not self._idle_checked:
-                    self._check_idle_integrity()
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
+    def _take(self, timeout: float) -> list[Command]:
+        if timeout > 0 and self._inbox.empty():
+            self._wake.wait(timeout)
+        self._wake.clear()
+        commands = []
+        while True:
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # a fault no request is to blame for: fail what was in flight
-                log.exception("engine step failed")
-                if self.on_fatal is not None:
-                    with self._lock:  # NOTE: set before _fail_all, so a stream opened later is refused
-                        self.fatal_error = e
-                    self._stopping = True
-                self._fail_all()
-                if self.on_fatal is not None:
-                    self.on_fatal(e)
-                continue
-            self.step_count += 1
-            self._idle_checked = False
-            self._stats = self.engine.stats()  # before delivering: a caller that saw a token sees this step
-            if not outputs and not self.engine.scheduler.running:
-                # Everything waits on something off the loop (a grammar compile, an adapter read): nap
-                # briefly instead of spinning; a new command wakes the loop at once.
-                self._wake.wait(timeout=0.002)
-                self._wake.clear()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
 
-    def _check_idle_integrity(self) -> None:
-        """Once per idle spell: prove every KV block, slot pin and grammar hold is accounted for."""
-        self._idle_checked = True
-        try:
-            self.engine.scheduler.check_integrity()
-        except AssertionError:
-            self.integrity_failures += 1
-            log.exception("engine integrity check failed while idle")
+    def _on_fault(self, error: BaseException) -> None:
+        self._engine_fault(error, stopped=self.loop.stop_on_fault)
 
-    def _fail_all(self) -> None:
-        with self._lock:
-            ids = list(self._streams)
-        error = RequestError(ErrorCode.ENGINE_ERROR)
-        for rid in ids:
-            self.engine.fail_request(rid, error)
-            self._deliver(rid, error.for_request(rid))
-        for rid in list(self.engine.scheduler.requests):  # anything not streamed through generate()
-            self.engine.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -73,6 +73,10 @@ class OutputProcessor:
     def has(self, parent_id: str) -> bool:
         return parent_id in self._parents
 
+    def parent_ids(self) -> list[str]:
+        """The requests with a sample still unfinished (their callers still wait for a delta)."""
+        return list(self._parents)
+
     def process(self, updates: list[tuple[Request, SampledToken]]
                 ) -> tuple[list[GenerateDelta], list[tuple[str, str]]]:
         """Apply one step's tokens. Returns (deltas, stop-string hits as (child id, stop string)).

@@ -78,6 +78,9 @@ class RequestError(Exception):
         self.param = param
         self.request_id = request_id
 
+    def __reduce__(self) -> tuple:  # NOTE: Exception's own pickles only args (the message) and loses the code
+        return (type(self), (self.code, self.message), {"param": self.param, "request_id": self.request_id})
+
     def __repr__(self) -> str:
         return f"RequestError({self.code.value}, {self.message!r}, param={self.param!r})"
 

@@ -5,7 +5,11 @@ reads from LORAPLEX_WORKER_SECRET (never from the command line, where `ps` would
 can also be set with a LORAPLEX_* environment variable (the flag wins): --model (LORAPLEX_MODEL),
 --served-model-name (LORAPLEX_SERVED_MODEL_NAME), --host (LORAPLEX_HOST), --port (LORAPLEX_PORT),
 --otlp-endpoint (LORAPLEX_OTLP_ENDPOINT), --register-redis-url (LORAPLEX_REGISTER_REDIS_URL),
---advertise-url (LORAPLEX_ADVERTISE_URL), --public-metrics (LORAPLEX_PUBLIC_METRICS=1).
+--advertise-url (LORAPLEX_ADVERTISE_URL), --public-metrics (LORAPLEX_PUBLIC_METRICS=1), --engine-loop
+(LORAPLEX_ENGINE_LOOP).
+
+The engine loop runs in a child process of its own by default (engine/core_process.py: the step's Python
+never waits on the HTTP side's GIL); `--engine-loop thread` keeps it on a thread of the worker process.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from worker.registration import HeartbeatConfig, WorkerHeartbeat
 SECRET_ENV = "LORAPLEX_WORKER_SECRET"
 DEFAULT_PORT = 8001
 PROG = "loraplex worker"
+ENGINE_LOOPS = ("process", "thread")
 
 
 class WorkerCommandError(Exception):
@@ -46,6 +51,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                        default=env.get("LORAPLEX_PUBLIC_METRICS", "").lower() in ("1", "true", "yes"),
                        help="serve GET /metrics without the worker secret (for an endpoint picker that scrapes "
                             "without credentials; every other route still needs the secret)")
+    group.add_argument("--engine-loop", choices=ENGINE_LOOPS, default=env.get("LORAPLEX_ENGINE_LOOP") or "process",
+                       help="where the engine loop runs: a child process of its own (default) or a thread of "
+                            "the worker process")
     engine = parser.add_argument_group("engine options")
     add_engine_options(engine)
     registration = parser.add_argument_group("registration options (worker discovery through Redis)")
@@ -79,14 +87,13 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: imported here so that --help and flag errors answer without loading torch.
     from engine.async_llm import AsyncLLM
     from engine.config import EngineConfig
+    from engine.core_process import ProcessAsyncLLM
     from worker.capabilities import WorkerCapabilities
     from worker.server import exit_on_engine_fault, run_worker
     from worker.tracing import build_tracer_provider
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.engine_loop not in ENGINE_LOOPS:  # NOTE: argparse checks choices only of a flag given
+        raise WorkerCommandError(f"LORAPLEX_ENGINE_LOOP must be one of {', '.join(ENGINE_LOOPS)}")
     try:
         config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
                               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
@@ -96,12 +103,21 @@ def run(args: argparse.Namespace) -> int:
         tracer_provider = build_tracer_provider(args.otlp_endpoint)
     except ValueError as e:
         raise WorkerCommandError(str(e)) from None
-    llm = AsyncLLM.from_config(config, on_fatal=exit_on_engine_fault)
+    if args.engine_loop == "process":
+        llm = ProcessAsyncLLM(config, on_fatal=exit_on_engine_fault, threads=args.threads)
+    else:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        llm = AsyncLLM.from_config(config, on_fatal=exit_on_engine_fault)
     print(f"{PROG}: compute dtype {config.dtype_reason(llm.model_config)}", file=sys.stderr, flush=True)
     if config.device == "cpu":
         import torch
 
-        print(f"{PROG}: {torch.get_num_threads()} intra-op CPU threads", file=sys.stderr, flush=True)
+        threads = args.threads or torch.get_num_threads()
+        print(f"{PROG}: {threads} intra-op CPU threads, engine loop in a {args.engine_loop}", file=sys.stderr,
+              flush=True)
     served_name = args.served_model_name or Path(args.model).name
     run_worker(llm, served_name, secret, WorkerCapabilities.of_engine(config), host=args.host,
                port=args.port or DEFAULT_PORT, tracer_provider=tracer_provider,

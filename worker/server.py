@@ -1,4 +1,4 @@
-"""The engine worker: an AsyncLLM behind an internal HTTP service (protocol in wire/protocol.py).
+"""The engine worker: an engine loop (engine.async_llm: a child process, or a thread) behind an internal HTTP service (protocol in wire/protocol.py).
 
 `WorkerService` is the transport-free part (adapter loading and unloading, capability checks; the
 engine's deltas pass through as they are); the gateway's in-process client uses it directly, and
@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import StreamFront
 from engine.request import AdapterRef
 from wire.errors import ErrorCode, RequestError
 from wire.protocol import (
@@ -59,7 +59,7 @@ class WorkerService:
     `capabilities` says what `llm` serves (WorkerCapabilities.of_engine(config) for an LLMEngine); requests
     for anything else are refused by name."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, capabilities: WorkerCapabilities,
+    def __init__(self, llm: StreamFront, model_name: str, capabilities: WorkerCapabilities,
                  tracer_provider: TracerProvider | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
@@ -144,7 +144,7 @@ class WorkerService:
         async with lock:  # NOTE: not while a load of the same content is in progress
             if self._adapters.pop(sha256, None) is None:
                 return False
-            await self.llm.call_in_loop(lambda engine: engine.unload_adapter(sha256))
+            await self.llm.unload_adapter(sha256)
         return True
 
     async def _adapter_ref(self, spec: AdapterSpec) -> AdapterRef:
@@ -159,9 +159,7 @@ class WorkerService:
         async with lock:
             if spec.sha256 not in self._adapters:
                 try:
-                    ref = await self.llm.call_in_loop(
-                        lambda engine: engine.load_adapter(spec.sha256, spec.path, sha256=spec.sha256)
-                    )
+                    ref = await self.llm.load_adapter(spec.sha256, spec.path, sha256=spec.sha256)
                 except Exception as e:
                     log.warning("adapter %s (%s) could not be loaded: %.300s", spec.name, spec.sha256[:12], e)
                     raise RequestError(ErrorCode.ADAPTER_UNAVAILABLE, f"adapter {spec.name!r} could not be "
@@ -324,7 +322,7 @@ def exit_on_engine_fault(error: BaseException) -> None:
     backstop.start()
 
 
-def run_worker(llm: AsyncLLM, model_name: str, secret: str, capabilities: WorkerCapabilities,
+def run_worker(llm: StreamFront, model_name: str, secret: str, capabilities: WorkerCapabilities,
                host: str = "127.0.0.1", port: int = 8001, tracer_provider: SdkTracerProvider | None = None,
                background: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None,
                public_metrics: bool = False) -> None:

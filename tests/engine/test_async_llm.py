@@ -94,7 +94,7 @@ def test_step_fault_fails_requests_and_releases_everything(engine):
     assert second[-1].samples[0].finish_reason == "length"
     engine.engine.scheduler.check_integrity()
     for _ in range(200):  # the loop checks integrity itself once it is idle
-        if engine._idle_checked:
+        if engine.loop.idle_checked:
             break
         time.sleep(0.01)
-    assert engine._idle_checked and engine.integrity_failures == 0
+    assert engine.loop.idle_checked and engine.integrity_failures == 0

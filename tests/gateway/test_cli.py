@@ -35,6 +35,10 @@ def test_shared_flags_read_environment_and_flags_win():
     worker = worker_cli.build_parser(env).parse_args([])
     assert (worker.model, worker.port, worker.served_model_name, worker.host) == ("/models/x", 9100, "base", "0.0.0.0")
     assert worker_cli.build_parser({}).parse_args([]).port is None
+    assert worker_cli.build_parser({}).parse_args([]).engine_loop == "process"  # the engine in a child process
+    assert worker_cli.build_parser({"LORAPLEX_ENGINE_LOOP": "thread"}).parse_args([]).engine_loop == "thread"
+    with pytest.raises(SystemExit):
+        worker_cli.build_parser({}).parse_args(["--engine-loop", "fork"])
     with pytest.raises(SystemExit):
         parser.parse_args(["keys", "create"])  # --tenant or --admin is required
 
