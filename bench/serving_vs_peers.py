@@ -25,7 +25,11 @@ All servers stay up and the rounds run interleaved (mix by mix, server by server
 work on a shared machine does not land on one system only. A peer that is not installed is skipped with
 the reason printed.
 
+With --thread-loop, a second loraplex serves beside the first with its worker's engine loop on a thread
+(`--engine-loop thread`) instead of a child process (the default): the A/B of that split in one run.
+
     python -m bench.serving_vs_peers [--quick] [--precision float32|bfloat16|w8a8] [--skip vllm,llama.cpp]
+                                     [--thread-loop]
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ def wait_ready(server: Server, timeout_s: float) -> None:
 
 
 def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads: int,
-                   precision: str = "float32") -> Server:
+                   precision: str = "float32", engine_loop: str = "process") -> Server:
     from gateway.store import open_store
 
     data_dir = Path(tempfile.mkdtemp(prefix="serving-vs-peers-"))
@@ -161,7 +165,8 @@ def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads
             "--port", str(port), "--data-dir", str(data_dir), *PRECISIONS[precision][0], "--kv-cache-memory-gb", "2",
             "--max-num-seqs", str(max_num_seqs), "--max-loras", str(N_ADAPTERS), "--max-lora-rank", str(RANK),
             "--queue-capacity", "1024", "--threads", str(threads)]
-    proc = spawn("loraplex", argv, {**os.environ, "OMP_NUM_THREADS": str(threads)})
+    name = "loraplex" if engine_loop == "process" else f"loraplex-{engine_loop}-loop"
+    proc = spawn(name, argv, {**os.environ, "OMP_NUM_THREADS": str(threads), "LORAPLEX_ENGINE_LOOP": engine_loop})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -174,7 +179,7 @@ def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads
     tenant = store.create_tenant("bench", policy=ROOMY)
     key = store.create_api_key(tenant.id)[0]
     store.close()
-    server = Server("loraplex", url + "/v1", [proc], headers={"authorization": f"Bearer {key}"})
+    server = Server(name, url + "/v1", [proc], headers={"authorization": f"Bearer {key}"})
     wait_ready(server, 300)
     env = {**os.environ, "LORAPLEX_BASE_URL": server.url, "LORAPLEX_API_KEY": key}
     for i, path in enumerate(adapters):
@@ -255,6 +260,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated: loraplex, vllm, llama.cpp")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="float32",
                     help="weights and activations of every server (see the module docstring)")
+    ap.add_argument("--thread-loop", action="store_true",
+                    help="also serve loraplex with its engine loop on a thread of the worker (loraplex-thread-loop: "
+                         "the worker's engine loop before it had a process of its own), for an A/B in the same run")
     args = ap.parse_args()
     work = Workload(32, 16, 128, 16, 16) if args.quick else Workload()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -277,6 +285,9 @@ def main() -> None:
         ("loraplex", lambda: True,
          lambda: start_loraplex(model, adapter_dirs, work.concurrency, args.threads, args.precision)),
     ]
+    if args.thread_loop:
+        starters.append(("loraplex-thread-loop", lambda: True, lambda: start_loraplex(
+            model, adapter_dirs, work.concurrency, args.threads, args.precision, "thread")))
     rows: list[dict] = []
     try:
         for name, available, start in starters:
@@ -343,7 +354,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                                for k in ("output_tok_s", "ttft_p50_s", "ttft_p99_s")}})
     for mix in dict.fromkeys(r["mix"] for r in out):
         ours = next((r for r in out if r["mix"] == mix and r["system"] == "loraplex"), None)
-        peers = [r["output_tok_s"] for r in out if r["mix"] == mix and r["system"] != "loraplex"]
+        peers = [r["output_tok_s"] for r in out if r["mix"] == mix and not r["system"].startswith("loraplex")]
         if ours and peers:
             ours["x_best_peer"] = ours["output_tok_s"] / max(peers)
     base = next((r for r in out if r["mix"] == "base only" and r["system"] == "loraplex"), None)

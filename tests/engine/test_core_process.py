@@ -166,6 +166,9 @@ def test_an_unattributable_fault_in_the_child_fails_every_stream_and_stops(llama
         results = asyncio.run(main())
         assert all(isinstance(r, RequestError) and r.code is ErrorCode.ENGINE_ERROR for r in results), results
         assert "Injected" not in results[0].message
+        deadline = time.monotonic() + 10  # the fault notice follows the failed streams' last lines
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(fatal) == 1 and isinstance(fatal[0], EngineFault) and llm.fatal_error is fatal[0]
         late = asyncio.run(one("c"))
         assert isinstance(late, RequestError) and late.code is ErrorCode.WORKER_UNAVAILABLE
