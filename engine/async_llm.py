@@ -203,6 +203,9 @@ class StreamFront:
     def call_in_loop(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         raise NotImplementedError
 
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
     # ----- public API -------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, *,

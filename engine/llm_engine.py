@@ -145,10 +145,11 @@ class LLMEngine:
             self.scheduler.finish_request(cid, RequestStatus.FINISHED_ERROR)
         return error.for_request(request_id) if self.outputs.drop(request_id) else None
 
-    def fail_all(self, error: RequestError) -> list[RequestError]:
+    def fail_all(self, error: RequestError) -> list[StepOutput]:
         """Fail every request in flight (after a fault no request can be blamed for), releasing all they
         hold; returns `error` once for each of them."""
-        failed = [e for rid in self.outputs.parent_ids() if (e := self.fail_request(rid, error)) is not None]
+        failed: list[StepOutput] = [e for rid in self.outputs.parent_ids()
+                                    if (e := self.fail_request(rid, error)) is not None]
         for rid in list(self.scheduler.requests):  # anything the output processor does not know of
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
         return failed

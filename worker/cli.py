@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     heartbeat = registration_heartbeat(args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     # NOTE: imported here so that --help and flag errors answer without loading torch.
-    from engine.async_llm import AsyncLLM
+    from engine.async_llm import AsyncLLM, StreamFront
     from engine.config import EngineConfig
     from engine.core_process import ProcessAsyncLLM
     from worker.capabilities import WorkerCapabilities
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         tracer_provider = build_tracer_provider(args.otlp_endpoint)
     except ValueError as e:
         raise WorkerCommandError(str(e)) from None
+    llm: StreamFront
     if args.engine_loop == "process":
         llm = ProcessAsyncLLM(config, on_fatal=exit_on_engine_fault, threads=args.threads)
     else:
