@@ -17,6 +17,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.core_process import ProcessAsyncLLM
 from engine.fault_isolation import EngineFault
+from tests.engine.faults import break_batches_of_two
 from tests.engine.lora_peft import load_hf_base, make_peft_adapter, random_prompts
 from wire.errors import ErrorCode, RequestError
 
@@ -44,27 +45,10 @@ def tokens(deltas) -> list[int]:
     return [t for d in deltas for s in d.samples for t in s.token_ids]
 
 
-# Run in the child by call_in_loop (module-level: they pickle by name).
+# Run in the child by call_in_loop (module-level: it pickles by name).
 def check_integrity(engine) -> int:
     engine.scheduler.check_integrity()
     return len(engine.scheduler.requests)
-
-
-def break_batches_of_two(engine) -> None:
-    """A fault only a batch of two or more sequences hits: each half runs, so nobody can be blamed."""
-    runner = engine.runner
-    execute, forward, seen = runner.execute, runner.model.forward, {"n": 0}
-
-    def recording_execute(plan):
-        seen["n"] = len(plan.seqs)
-        return execute(plan)
-
-    def faulty_forward(*args, **kwargs):
-        if seen["n"] >= 2:
-            raise RuntimeError("Injected fault")
-        return forward(*args, **kwargs)
-
-    runner.execute, runner.model.forward = recording_execute, faulty_forward
 
 
 def test_streams_match_the_thread_loop_token_for_token(core, llama_dir):

@@ -4,11 +4,13 @@ process exits so that its supervisor starts a fresh one."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,33 +21,31 @@ from wire.sampling import SamplingParams
 from worker.server import FATAL_EXIT_CODE
 
 SECRET = "s3cret"
+ROOT = Path(__file__).resolve().parents[2]
 
-# The worker as worker.cli runs it (on_fatal=exit_on_engine_fault), with a fault injected around the real
-# forward that only a batch of two or more sequences hits: each half runs, so nobody can be blamed.
+# The worker as worker.cli runs it (the engine loop in a child process, on_fatal=exit_on_engine_fault), with a
+# fault injected there around the real forward that only a batch of two or more sequences hits.
 WORKER = """
+import asyncio
 import sys
-from engine.async_llm import AsyncLLM
+
 from engine.config import EngineConfig
+from engine.core_process import ProcessAsyncLLM
+from tests.engine.faults import break_batches_of_two
 from worker.capabilities import WorkerCapabilities
 from worker.server import FATAL_EXIT_CODE, exit_on_engine_fault, run_worker
 
-llm = AsyncLLM.from_config(EngineConfig(model=sys.argv[1], num_kv_blocks=64, block_size=4),
-                           on_fatal=exit_on_engine_fault)
-runner, seen = llm.engine.runner, {"n": 0}
-execute, forward = runner.execute, runner.model.forward
 
-def recording_execute(plan):
-    seen["n"] = len(plan.seqs)
-    return execute(plan)
+async def install_fault(llm):
+    await llm.call_in_loop(break_batches_of_two)
 
-def faulty_forward(*args, **kwargs):
-    if seen["n"] >= 2:
-        raise RuntimeError("Injected fault")
-    return forward(*args, **kwargs)
 
-runner.execute, runner.model.forward = recording_execute, faulty_forward
-run_worker(llm, "tiny", sys.argv[3], WorkerCapabilities.of_engine(llm.engine.config), port=int(sys.argv[2]))
-sys.exit(FATAL_EXIT_CODE if llm.fatal_error is not None else 0)
+if __name__ == "__main__":  # NOTE: the engine process imports this file again (multiprocessing's spawn)
+    config = EngineConfig(model=sys.argv[1], num_kv_blocks=64, block_size=4)
+    llm = ProcessAsyncLLM(config, on_fatal=exit_on_engine_fault)
+    asyncio.run(install_fault(llm))
+    run_worker(llm, "tiny", sys.argv[3], WorkerCapabilities.of_engine(config), port=int(sys.argv[2]))
+    sys.exit(FATAL_EXIT_CODE if llm.fatal_error is not None else 0)
 """
 
 
@@ -57,7 +57,8 @@ def test_an_unattributable_fault_ends_every_stream_then_the_worker_exits(llama_d
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen([sys.executable, str(script), str(llama_dir), str(port), SECRET],
-                                stdout=subprocess.DEVNULL, stderr=log_file)
+                                stdout=subprocess.DEVNULL, stderr=log_file,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})  # the script imports tests.engine
     url = f"http://127.0.0.1:{port}"
     headers = {WORKER_SECRET_HEADER: SECRET}
     try:
