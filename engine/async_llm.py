@@ -114,7 +114,6 @@ class EngineLoop:
         self.stop_on_fault = stop_on_fault
         self.stopping = False
         self.stats = engine.stats()  # the snapshot after the latest step (callers read it, never the engine)
-        self.step_count = 0
         self.integrity_failures = 0
         self.idle_checked = True
 
@@ -138,7 +137,6 @@ class EngineLoop:
             except Exception as e:  # a fault no request is to blame for: fail what was in flight
                 self._fault(e)
                 continue
-            self.step_count += 1
             self.idle_checked = False
             self.stats = self.engine.stats()  # before emitting: a caller that saw a token sees this step
             if outputs:
