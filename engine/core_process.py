@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from engine.async_llm import Command, EngineLoop, StreamFront
+from engine.async_llm import AddRequest, Command, EngineLoop, StreamFront
 from engine.fault_isolation import EngineFault
+from wire.errors import ErrorCode, RequestError
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -89,11 +90,6 @@ class ProcessAsyncLLM(StreamFront):
         self._sender.start()
         self._reader.start()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None,
-                    **kwargs: Any) -> ProcessAsyncLLM:
-        return cls(config, on_fatal, **kwargs)
-
     @property
     def pid(self) -> int | None:
         return self._proc.pid
@@ -138,11 +134,22 @@ class ProcessAsyncLLM(StreamFront):
                 self._cmd.send(msg)
             except (OSError, ValueError):  # the child is gone: the reader reports it
                 return
-            except Exception:  # a command that does not pickle: fail its request, not the loop
+            except Exception:  # a command that does not pickle (nothing was written): fail it, not the loop
                 log.exception("a command for the engine process could not be sent")
+                self._refuse(msg)
                 continue
             if msg is None:
                 return
+
+    def _refuse(self, msg: Command | _Call) -> None:
+        """The caller of a command that never reached the child gets its failure."""
+        if isinstance(msg, _Call):
+            with self._lock:
+                loop, fut = self._calls.pop(msg.call_id)
+            loop.call_soon_threadsafe(_resolve, fut, False, RuntimeError("the call could not be sent to the "
+                                                                         "engine process (it does not pickle)"))
+        elif isinstance(msg, AddRequest):
+            self._deliver([RequestError(ErrorCode.ENGINE_ERROR, request_id=msg.request_id)])
 
     def _read_loop(self) -> None:
         expected_exit = False

@@ -80,6 +80,21 @@ def test_refused_request_raises_with_its_code_and_the_child_serves_on(core):
     assert asyncio.run(main())[-1].finished
 
 
+def test_a_command_that_does_not_pickle_fails_alone(core):
+    unpicklable = {"prompt_token_ids": [5, 6, 7], "note": lambda: None}  # the engine reads only the ids
+
+    async def main():
+        with pytest.raises(RequestError) as info:  # NOTE: bounded: a command lost on the way would hang
+            await asyncio.wait_for(collect(core, "odd", unpicklable), 60)
+        with pytest.raises(RuntimeError, match="does not pickle"):
+            await asyncio.wait_for(core.call_in_loop(lambda engine: 1), 60)
+        return info.value, await collect(core, "after", {"prompt_token_ids": [5, 6, 7]})
+
+    error, after = asyncio.run(main())
+    assert error.code is ErrorCode.ENGINE_ERROR and error.request_id == "odd"
+    assert after[-1].finished  # the child serves on
+
+
 def test_leaving_a_stream_aborts_it_in_the_child(core):
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
