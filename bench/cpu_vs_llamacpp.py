@@ -12,7 +12,10 @@ Columns, measured the way each tool measures itself:
 
 Each loraplex precision sits next to the llama.cpp type of equal weight bits: float32-F32, bfloat16-F16 and
 BF16, int8-Q8_0 and w8a8-Q8_0 (Q8_0 also rounds activations to 8 bits, per block of 32 where w8a8 rounds per
-token), int4-Q4_0; ratios are loraplex / llama.cpp (higher is better for loraplex in every
+token), int4-Q4_0. KV caches: llama.cpp keeps f16 ones whatever the weights, loraplex its compute dtype unless
+told (--kv-cache-dtype), so "float32+kvbf16" is the F32 pair at equal cache bits too, and "+kv8" rows (int8
+caches) sit next to llama.cpp with q8_0 caches (-ctk/-ctv q8_0, flash attention on, which llama.cpp needs for a
+quantized V cache). Ratios are loraplex / llama.cpp (higher is better for loraplex in every
 column: the ms/token ratio is inverted). Systems run interleaved (each llama.cpp type, then its loraplex
 precision) so a burst of other work on a shared machine does not land on one side only.
 
@@ -46,6 +49,9 @@ PAIRS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "int8": ({"dtype": "auto", "quantization": "int8"}, ("Q8_0",)),
     "w8a8": ({"dtype": "auto", "quantization": "w8a8"}, ("Q8_0",)),
     "int4": ({"dtype": "auto", "quantization": "int4"}, ("Q4_0",)),
+    "float32+kvbf16": ({"dtype": "float32", "kv_cache_dtype": "bfloat16"}, ("F32",)),
+    "float32+kv8": ({"dtype": "float32", "kv_cache_dtype": "int8"}, ("F32+kvq8_0",)),
+    "bfloat16+kv8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, ("BF16+kvq8_0",)),
 }
 
 
@@ -106,9 +112,9 @@ def loraplex_row(model: Path, fields: dict, prompt: int, gen: int, batch: int, b
 
 
 def llamacpp_row(gguf: Path, prompt: int, gen: int, batch: int, batch_prompt: int, batch_gen: int, threads: int,
-                 repeat: int) -> dict[str, float]:
-    single = llamacpp.bench(gguf, prompt, gen, threads, repeat)
-    batched = llamacpp.batched_bench(gguf, batch, batch_prompt, batch_gen, threads)
+                 repeat: int, cache_type: str | None = None) -> dict[str, float]:
+    single = llamacpp.bench(gguf, prompt, gen, threads, repeat, cache_type)
+    batched = llamacpp.batched_bench(gguf, batch, batch_prompt, batch_gen, threads, cache_type)
     return {"prefill_tok_s": single["prefill_tok_s"], "decode_ms_per_token": single["decode_ms_per_token"],
             "batch_decode_tok_s": batched["decode_tok_s"], "weight_MiB": gguf.stat().st_size / 2**20}
 
@@ -150,14 +156,17 @@ def main() -> None:
     llamacpp.build(("llama-bench", "llama-batched-bench", "llama-quantize"))
     precisions = args.only.split(",") if args.only else list(PAIRS)
     rows: list[dict] = []
+    measured: dict[str, dict] = {}  # llama.cpp rows by type, measured once per run (float32+kvbf16 reuses F32's)
     for precision in precisions:
         fields, types = PAIRS[precision]
         peer_rows = []
         for t in types:
-            gguf = llamacpp.convert_model(model, t)
-            print(f"llama.cpp {t} ...", flush=True)
-            peer_rows.append({"system": f"llama.cpp {t}", "bits": precision,
-                              **llamacpp_row(gguf, threads=args.threads, **shape)})
+            if t not in measured:
+                weights, _, cache = t.partition("+kv")
+                gguf = llamacpp.convert_model(model, weights)
+                print(f"llama.cpp {t} ...", flush=True)
+                measured[t] = llamacpp_row(gguf, threads=args.threads, cache_type=cache or None, **shape)
+            peer_rows.append({"system": f"llama.cpp {t}", "bits": precision, **measured[t]})
         print(f"loraplex {precision} ...", flush=True)
         ours = {"system": f"loraplex {precision}", "bits": precision, **loraplex_row(model, fields, **shape)}
         for peer in peer_rows:

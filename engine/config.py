@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention import NATIVE_CACHE_DTYPES
 from kernels.cpu_features import cpu_dtype_reason, default_cpu_dtype
 from kernels.quant import INT4_GROUP_SIZES
 from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public config names)
@@ -23,6 +24,7 @@ from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public c
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}  # besides "auto", the compute dtype
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class EngineConfig:
     # graphs on a GPU. None: on for CUDA, off on the CPU (no launch overhead to save there; measured).
     decode_graphs: bool | None = None
     decode_graph_max_batch: int = 32  # the largest bucket; bigger decode batches run the plain path
+    # The KV cache's dtype: "auto" = the compute dtype; "bfloat16" (under float32 compute: half the cache
+    # bytes, as llama.cpp keeps f16 caches for F32 weights) or "int8" (one float32 scale per slot and head,
+    # kernels.attention; a quarter to a half of the bytes). CPU path only.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -69,6 +75,11 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be positive")
         if self.decode_graph_max_batch < 1:
             raise ValueError(f"decode_graph_max_batch must be positive, got {self.decode_graph_max_batch}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and not self.device.startswith("cpu"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs on the CPU path only; use auto on {self.device}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization_group_size is not None and (
@@ -84,6 +95,19 @@ class EngineConfig:
         if self.quantization != "none" or "quantization_config" in model_config.raw:
             return torch.float32 if self._int8_reads_float32(model_config) else torch.bfloat16
         return default_cpu_dtype()
+
+    def kv_cache_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The KV cache's dtype; ValueError when the compute dtype cannot use it (a cache is never coarser
+        than the compute dtype, and a finer one needs float32 or bfloat16 compute)."""
+        compute = self.torch_dtype(model_config)
+        if self.kv_cache_dtype == "auto":
+            return compute
+        cache = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if cache not in NATIVE_CACHE_DTYPES.get(compute, ()):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs float32 compute"
+                             f"{'' if cache == torch.bfloat16 else ' or bfloat16'}, not "
+                             f"{str(compute).removeprefix('torch.')}")
+        return cache
 
     def _int8_reads_float32(self, model_config: ModelConfig) -> bool:
         """On a CPU without native bf16: whether the native int8 (int8, w8a8) kernels read float32

@@ -47,6 +47,8 @@ class EngineStats:
     lora_resident_adapters: tuple[str, ...] = ()  # names of the adapters now in device slots
     weight_bytes: int = 0  # resident bytes of the model's weights (quantized weights count packed)
     block_size: int = 0  # tokens per KV block
+    kv_cache_dtype: str = ""  # the KV cache's dtype (float32, bfloat16, int8)
+    kv_cache_bytes: int = 0  # resident bytes of the KV cache
     lora_running_adapters: tuple[str, ...] = ()  # names of the adapters of running requests (sorted)
     lora_waiting_adapters: tuple[str, ...] = ()  # ... of waiting requests
     faulted_steps: int = 0  # steps whose first run raised (engine.fault_isolation)
@@ -254,6 +256,8 @@ class LLMEngine:
             lora_resident_adapters=tuple(ref.name for ref in self.lora.resident_adapters()),
             weight_bytes=self.runner.weight_bytes,
             block_size=self.config.block_size,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            kv_cache_bytes=self.runner.kv_cache_bytes,
             lora_running_adapters=_adapter_names(self.scheduler.running),
             lora_waiting_adapters=_adapter_names(self.scheduler.waiting),
             lora_residency=tuple(self.lora.residency()),

@@ -15,7 +15,7 @@ from engine.models.llama import AttentionInputs, LlamaModel
 from engine.plan import BatchPlan, ModelOutput, SampleRow
 from engine.quantization import resolve as resolve_quantization
 from engine.sampler import Sampler
-from kernels.attention import StepAttentionPlan
+from kernels.attention import StepAttentionPlan, cache_row_width
 
 if TYPE_CHECKING:
     from engine.lora_slots import LoRASlots
@@ -38,6 +38,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
+        self.kv_dtype = config.kv_cache_torch_dtype(model_config)
         self.max_model_len = config.resolved_max_model_len(model_config)
         self.quantization = resolve_quantization(config, model_config)  # None: full-precision weights
         weights = load_weights(Path(config.model), model_config, self.dtype, self.quantization)
@@ -57,21 +58,31 @@ class ModelRunner:
                 sliding_window=model_config.sliding_window)
 
     def _kv_buffer(self) -> torch.Tensor:
-        """One layer's keys or values: logical shape (num_blocks, block_size, H_kv, D), the layout every
-        attention kernel takes. On the CPU the storage is head-major, (H_kv, num_blocks, block_size, D),
-        so the torch path gathers a decode batch's keys without a second copy; Triton reads any strides.
+        """One layer's keys or values: logical shape (num_blocks, block_size, H_kv, W), the layout every
+        attention kernel takes (W = head_dim, or head_dim + 4 for int8 rows and their scales:
+        kernels.attention). On the CPU the storage is head-major, (H_kv, num_blocks, block_size, W), so the
+        torch path gathers a decode batch's keys without a second copy; Triton reads any strides.
         """
         mc, bs, blocks = self.model_config, self.config.block_size, self.num_blocks + 1  # + the scratch block
+        width = cache_row_width(mc.head_dim, self.kv_dtype)
         if self.device.type == "cpu":
-            storage = torch.zeros(mc.num_kv_heads, blocks, bs, mc.head_dim, dtype=self.dtype)
+            storage = torch.zeros(mc.num_kv_heads, blocks, bs, width, dtype=self.kv_dtype)
             return storage.permute(1, 2, 0, 3)
-        return torch.zeros(blocks, bs, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(blocks, bs, mc.num_kv_heads, width, dtype=self.kv_dtype, device=self.device)
+
+    def _kv_block_bytes(self) -> int:
+        """Bytes of one block of every layer's keys and values."""
+        mc = self.model_config
+        return (2 * mc.num_layers * self.config.block_size * mc.num_kv_heads
+                * cache_row_width(mc.head_dim, self.kv_dtype) * torch.empty((), dtype=self.kv_dtype).element_size())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Resident bytes of the KV cache (the pool and its scratch block)."""
+        return (self.num_blocks + 1) * self._kv_block_bytes()
 
     def _blocks_that_fit(self) -> int:
-        mc = self.model_config
-        bytes_per_block = (2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * mc.head_dim
-                           * torch.empty((), dtype=self.dtype).element_size())
-        return max(1, int(self.config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
+        return max(1, int(self.config.kv_cache_memory_gb * (1 << 30)) // self._kv_block_bytes())
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> ModelOutput:

@@ -11,6 +11,12 @@ Layout shared by every implementation:
 
 Query token i of sequence s sits at absolute position p = seq_lens[s] - query_len[s] + i and attends
 keys at positions max(0, p - sliding_window + 1) .. p (causal; the window only when one is set).
+
+The caches hold the model's dtype, or a finer one (EngineConfig.kv_cache_dtype): bfloat16 under float32
+queries, or int8. An int8 cache row is one slot's head, head_dim int8 values then their float32 scale
+(KV_INT8_SCALE_BYTES, read as 4 bytes), so its last axis is head_dim + 4: the row means values * scale, with
+scale = absmax / 127 of the row it was rounded from (quantize_kv), as llama.cpp's q8_0 keeps its scale beside
+its block. Attention reads every cache in fp32.
 """
 
 from __future__ import annotations
@@ -22,6 +28,45 @@ import torch
 
 from kernels import native_cpu
 
+KV_INT8_SCALE_BYTES = 4  # an int8 cache row's trailing float32 scale
+
+# The cache dtypes the native ops read and write under each query dtype (the model's compute dtype).
+NATIVE_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.int8),
+                       torch.bfloat16: (torch.bfloat16, torch.int8)}
+
+
+def cache_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The last axis of a cache in `dtype` for heads of head_dim."""
+    return head_dim + KV_INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) keys or values -> (..., D + 4) int8 cache rows: per row, scale = absmax / 127 (float32) and
+    q = round-half-even(x / scale) (0 where the row is all zeros), the scale's bytes after q. The native
+    rope_store_kv rounds the same way (store_kv_row)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, xf / scale, torch.zeros((), dtype=torch.float32, device=x.device))
+    q = q.round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """(..., D + 4) int8 cache rows -> (..., D) float32 values * scale."""
+    head_dim = rows.shape[-1] - KV_INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)  # (..., 1)
+    return rows[..., :head_dim].float() * scale
+
+
+def cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values (..., D) as rows of a cache in `dtype`."""
+    return quantize_kv(x) if dtype == torch.int8 else x.to(dtype)
+
+
+def cache_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a cache, (..., width), as (..., D) values in `dtype`."""
+    return (dequantize_kv(rows) if rows.dtype == torch.int8 else rows).to(dtype)
+
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -29,13 +74,14 @@ def write_kv(
     """Scatter this step's keys and values into their cache slots.
 
     Semantics:
-        k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t]   for every token t (same for v)
-        k, v: (T, H_kv, D); slot_mapping: (T,) int64, slot = block_id * block_size + offset.
+        k_cache.view(-1, H_kv, W)[slot_mapping[t]] = cache_rows(k[t], k_cache.dtype)   for every token t
+        (same for v); k, v: (T, H_kv, D); W = D, or D + 4 for an int8 cache;
+        slot_mapping: (T,) int64, slot = block_id * block_size + offset.
     Mutates k_cache and v_cache in place.
     """
     for cache, new in ((k_cache, k), (v_cache, v)):
-        flat = cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D); a view for both storage layouts
-        flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
+        flat = cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, W); a view for both storage layouts
+        flat.index_copy_(0, slot_mapping, cache_rows(new, cache.dtype))
 
 
 @dataclass(frozen=True)
@@ -115,8 +161,9 @@ def paged_attention_ref(
     if plan.decode_seqs:
         assert plan.decode_rows is not None and plan.decode_blocks is not None and plan.decode_masked is not None
         b, length = plan.decode_masked.shape
-        keys = k_heads.index_select(1, plan.decode_blocks).view(num_kv_heads * b, length, head_dim)
-        values = v_heads.index_select(1, plan.decode_blocks).view(num_kv_heads * b, length, head_dim)
+        keys = _readable(k_heads.index_select(1, plan.decode_blocks), q.dtype).view(num_kv_heads * b, length, head_dim)
+        values = _readable(v_heads.index_select(1, plan.decode_blocks), q.dtype).view(num_kv_heads * b, length,
+                                                                                      head_dim)
         qd = (q if only_decode else q[plan.decode_rows]).view(b, num_kv_heads, group, head_dim).transpose(0, 1)
         qd = qd.reshape(num_kv_heads * b, group, head_dim).to(keys.dtype)
         scores = torch.bmm(qd, keys.transpose(1, 2)).float().view(num_kv_heads, b, group, length)
@@ -131,14 +178,21 @@ def paged_attention_ref(
     return _with_prefill_rows(q, attn, k_cache, v_cache, block_tables, scale, sliding_window, plan)
 
 
+def _readable(rows: torch.Tensor, q_dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as the reference multiplies them: in their dtype when it is q's, else (a finer
+    cache) in float32."""
+    return rows if rows.dtype == q_dtype else cache_values(rows, torch.float32)
+
+
 def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None,
                        plan: StepAttentionPlan, ops: Any = None) -> torch.Tensor:
     """The step's output: `decode_out` (the decode rows, computed by either path) placed at their rows,
     and every prefill chunk (more than one query token) computed one sequence at a time: by the native
-    kernel when `ops` has one for these shapes, else in torch."""
+    kernel when `ops` has one for these shapes, else in torch. The native kernel takes caches in q's dtype:
+    a finer cache's blocks of the sequence are converted first (a few hundred rows per layer)."""
     native = (ops is not None and ops.has_prefill_attention() and q.shape[2] in (64, 128)
-              and q.dtype == k_cache.dtype and k_cache.stride() == v_cache.stride())
+              and k_cache.stride() == v_cache.stride())
     out = torch.empty_like(q)
     if decode_out is not None:
         out[plan.decode_rows] = decode_out
@@ -153,12 +207,15 @@ def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache
         n_blocks = (seq_len + block_size - 1) // block_size
         table = block_tables[i, :n_blocks]
         if native:
+            keys, values, table = k_cache, v_cache, table.to(torch.int32).contiguous()
+            if k_cache.dtype != q.dtype:  # this sequence's blocks in q's dtype, read through a table of their own
+                keys, values = cache_values(k_cache[table], q.dtype), cache_values(v_cache[table], q.dtype)
+                table = torch.arange(n_blocks, dtype=torch.int32)
             out[starts[i] : starts[i + 1]] = ops.prefill_attention(
-                q[starts[i] : starts[i + 1]], k_cache, v_cache, table.to(torch.int32).contiguous(), seq_len, scale,
-                sliding_window or 0)
+                q[starts[i] : starts[i + 1]], keys, values, table, seq_len, scale, sliding_window or 0)
             continue
-        keys = k_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()  # (H_kv, S, D)
-        values = v_heads.index_select(1, table).flatten(1, 2)[:, :seq_len].float()
+        keys = cache_values(k_heads.index_select(1, table), torch.float32).flatten(1, 2)[:, :seq_len]  # (H_kv, S, D)
+        values = cache_values(v_heads.index_select(1, table), torch.float32).flatten(1, 2)[:, :seq_len]
         out[starts[i] : starts[i + 1]] = _prefill_chunk(q[starts[i] : starts[i + 1]].float(), keys, values, scale,
                                                         sliding_window).to(q.dtype)
     return out
@@ -249,7 +306,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, decode_seqs
         )
     ops = native_cpu.available_for(q)
-    if ops is not None and k_cache.dtype in (torch.float32, torch.bfloat16):
+    if ops is not None and k_cache.dtype in NATIVE_CACHE_DTYPES[q.dtype]:
         return paged_attention_native(ops, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                       sliding_window, plan)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,

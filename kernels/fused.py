@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native_cpu
-from kernels.attention import write_kv
+from kernels.attention import NATIVE_CACHE_DTYPES, write_kv
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,8 +74,9 @@ def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
     caller) and returns a view of it.
     """
     ops = native_cpu.available_for(qk)
-    if (ops is not None and qk.stride(-1) == 1 and v.stride(-1) == 1 and v.dtype == qk.dtype == k_cache.dtype
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1):
+    if (ops is not None and qk.stride(-1) == 1 and v.stride(-1) == 1 and v.dtype == qk.dtype
+            and k_cache.dtype in NATIVE_CACHE_DTYPES[qk.dtype] and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(-1) == 1):
         n_tok, _, head_dim = qk.shape
         ops.rope_store_kv(qk, v, cos.reshape(n_tok, head_dim), sin.reshape(n_tok, head_dim), num_q_heads,
                           k_cache, v_cache, slot_mapping)

@@ -7,11 +7,15 @@ import argparse
 
 
 def add_engine_options(group: argparse._ArgumentGroup) -> None:
-    """--device, --dtype, --kv-cache-memory-gb, --max-num-seqs, --max-loras, --max-lora-rank, --quantization,
+    """--device, --dtype, --kv-cache-dtype, --kv-cache-memory-gb, --max-num-seqs, --max-loras, --max-lora-rank, --quantization,
     --quantization-group-size, --decode-graphs (EngineConfig fields of the same names), and --threads (the
     worker process's intra-op threads)."""
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--dtype", default="auto")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "int8"), default="auto",
+                       help="the KV cache's dtype (CPU): auto = the compute dtype; bfloat16 under float32 "
+                            "compute; int8 rows with a float32 scale per slot and head (half of a bf16 "
+                            "cache's bytes)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-loras", type=int, default=8)

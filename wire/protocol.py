@@ -227,6 +227,8 @@ class WorkerState:
     adapter_evictions: int = 0  # resident adapters replaced to make room since the worker started
     weight_bytes: int = 0  # resident bytes of the base model's weights (packed when quantized)
     block_size: int = 0  # tokens per KV block
+    kv_cache_dtype: str = ""  # float32, bfloat16 or int8 (rows with their scales)
+    kv_cache_bytes: int = 0  # resident bytes of the KV cache
     max_loras: int = 0  # device slots: distinct adapters one step can run
     running_adapters: list[str] = field(default_factory=list)  # sha256 of adapters of running requests
     waiting_adapters: list[str] = field(default_factory=list)  # ... of waiting requests

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     # NOTE: imported here so that --help and flag errors answer without loading torch.
     from engine.async_llm import AsyncLLM, StreamFront
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, ModelConfig
     from engine.core_process import ProcessAsyncLLM
     from worker.capabilities import WorkerCapabilities
     from worker.server import exit_on_engine_fault, run_worker
@@ -96,12 +96,15 @@ def run(args: argparse.Namespace) -> int:
         raise WorkerCommandError(f"LORAPLEX_ENGINE_LOOP must be one of {', '.join(ENGINE_LOOPS)}")
     try:
         config = EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype,
+                              kv_cache_dtype=args.kv_cache_dtype,
                               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                               quantization=args.quantization, quantization_group_size=args.quantization_group_size,
                               decode_graphs=decode_graphs_value(args.decode_graphs))
+        if config.kv_cache_dtype != "auto":  # refuse a cache the compute dtype cannot use before building
+            config.kv_cache_torch_dtype(ModelConfig.from_pretrained(config.model))
         tracer_provider = build_tracer_provider(args.otlp_endpoint)
-    except ValueError as e:
+    except ValueError as e:  # CheckpointError too
         raise WorkerCommandError(str(e)) from None
     llm: StreamFront
     if args.engine_loop == "process":
@@ -113,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         llm = AsyncLLM.from_config(config, on_fatal=exit_on_engine_fault)
     print(f"{PROG}: compute dtype {config.dtype_reason(llm.model_config)}", file=sys.stderr, flush=True)
+    kv_dtype = str(config.kv_cache_torch_dtype(llm.model_config)).removeprefix("torch.")
+    print(f"{PROG}: KV cache {kv_dtype}{' (the compute dtype)' if config.kv_cache_dtype == 'auto' else ''}",
+          file=sys.stderr, flush=True)
     if config.device == "cpu":
         import torch
 

@@ -51,8 +51,8 @@ class WorkerMetricsCollector(Collector):
         yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", s.kv_usage)
 
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(s.block_size), str(s.num_kv_blocks)], 1.0)
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype"])
+        info.add_metric([str(s.block_size), str(s.num_kv_blocks), s.kv_cache_dtype], 1.0)
         yield info
 
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
@@ -71,6 +71,7 @@ class WorkerMetricsCollector(Collector):
         yield _gauge("loraplex_worker_weight_bytes", "Resident bytes of the base model's weights (packed when "
                      "quantized).", s.weight_bytes)
         yield _gauge("loraplex_worker_kv_blocks", "KV-cache blocks of this worker.", s.num_kv_blocks)
+        yield _gauge("loraplex_worker_kv_cache_bytes", "Resident bytes of the KV cache.", s.kv_cache_bytes)
         yield _gauge("loraplex_worker_kv_free_blocks", "KV-cache blocks free now (blocks the prefix cache holds "
                      "are not free).", s.num_free_kv_blocks)
         yield _gauge("loraplex_worker_prefix_cache_blocks", "KV blocks held by the prefix cache.",

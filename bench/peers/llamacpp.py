@@ -229,10 +229,16 @@ def convert_adapter(adapter_dir: Path, model_dir: Path, outtype: str = "f32") ->
 
 # ---- runners ------------------------------------------------------------------------------------------
 
-def bench(gguf: Path, prompt: int, gen: int, threads: int, repeat: int) -> dict[str, float]:
+def cache_flags(cache_type: str | None) -> list[str]:
+    """KV-cache type flags (None: llama.cpp's default f16 caches). A quantized V cache needs flash attention."""
+    return [] if cache_type is None else ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"]
+
+
+def bench(gguf: Path, prompt: int, gen: int, threads: int, repeat: int,
+          cache_type: str | None = None) -> dict[str, float]:
     """llama-bench: {"prefill_tok_s": pp<prompt> t/s, "decode_ms_per_token": 1000 / tg<gen> t/s}."""
     res = subprocess.run([str(binary("llama-bench")), "-m", str(gguf), "-p", str(prompt), "-n", str(gen),
-                          "-t", str(threads), "-r", str(repeat), "-o", "json"],
+                          "-t", str(threads), "-r", str(repeat), "-o", "json", *cache_flags(cache_type)],
                          check=True, capture_output=True, text=True)
     rows = json.loads(res.stdout)
     pp = next(r for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
@@ -240,13 +246,15 @@ def bench(gguf: Path, prompt: int, gen: int, threads: int, repeat: int) -> dict[
     return {"prefill_tok_s": pp["avg_ts"], "decode_ms_per_token": 1000 / tg["avg_ts"]}
 
 
-def batched_bench(gguf: Path, sequences: int, prompt: int, gen: int, threads: int) -> dict[str, float]:
+def batched_bench(gguf: Path, sequences: int, prompt: int, gen: int, threads: int,
+                  cache_type: str | None = None) -> dict[str, float]:
     """llama-batched-bench, prompts not shared: {"decode_tok_s": S_TG, "prefill_tok_s": S_PP}, read from
     its table (PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | T | S); its jsonl output printed nothing here."""
     ctx = sequences * (prompt + gen) + 256
     res = subprocess.run([str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(ctx), "-b", str(min(2048, ctx)),
                           "-ub", "512", "-npp", str(prompt), "-ntg", str(gen), "-npl", str(sequences),
-                          "-t", str(threads)], check=True, capture_output=True, text=True)
+                          "-t", str(threads), *cache_flags(cache_type)], check=True, capture_output=True,
+                         text=True)
     for line in (res.stdout + res.stderr).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and cells[0].isdigit() and [int(c) for c in cells[:3]] == [prompt, gen, sequences]:

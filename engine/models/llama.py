@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
 from kernels import dense_cpu, hugepages, native_cpu
-from kernels.attention import StepAttentionPlan, paged_attention, write_kv
+from kernels.attention import NATIVE_CACHE_DTYPES, StepAttentionPlan, paged_attention, write_kv
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, silu_mul
 from kernels.lora_meta import LoRABatchMeta
 from kernels.quant import Int4Weight, Int8Weight, Weight, concat, dequantize, linear, nbytes, place
@@ -315,11 +315,11 @@ class LlamaModel:
     def _all_decode_inputs(self, n_tok: int, attn: AttentionInputs, lora: LoRAContext | None,
                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...] | None:
         """(block tables int32, sequence ids, sequence lengths int32) for decode_layer when this step can run
-        it: every sequence decodes one token and the caches are in the model's dtype (adapters: per layer,
+        it: every sequence decodes one token and the native ops take the caches' dtype (adapters: per layer,
         LoRAContext.native_layer_args)."""
         plan = attn.plan
         if (self._decode_layer is None or plan is None or not plan.decode_seqs
-                or not len(plan.decode_seqs) == len(plan.seq_lens) == n_tok or kv_caches[0][0].dtype != self.dtype):
+                or not len(plan.decode_seqs) == len(plan.seq_lens) == n_tok or kv_caches[0][0].dtype not in NATIVE_CACHE_DTYPES.get(self.dtype, ())):
             return None
         lens, tables = attn.seq_lens, attn.block_tables
         return (tables if tables.dtype == torch.int32 else tables.to(torch.int32), plan.decode_ids,

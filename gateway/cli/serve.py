@@ -69,7 +69,7 @@ def worker_command(args: argparse.Namespace, model: Path, served_name: str, port
     return worker_argv([
         "--model", str(model), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
-        "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+        "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
         "--max-num-seqs", str(args.max_num_seqs), "--max-loras", str(args.max_loras),
         "--max-lora-rank", str(args.max_lora_rank),
         "--quantization", args.quantization, "--decode-graphs", args.decode_graphs,

@@ -23,7 +23,9 @@
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
 //   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order
 //
-// Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16).
+// Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16). The KV cache may be finer
+// than q (bf16 caches under float32 q, or int8 rows with their scales: kernels/attention.py's module docstring);
+// decode_attention and rope_store_kv read and write those, prefill_attention takes caches in q's dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -109,10 +111,52 @@ inline void softmax_numerators(float* __restrict scores, const float* mx, int64_
   }
 }
 
+// int8 cache rows (kv_cache_dtype int8): a slot's head is D int8 values then their fp32 scale (absmax / 127),
+// D + 4 bytes in all; the row means q * scale. float32 and bfloat16 rows are the values themselves.
+constexpr int64_t kInt8ScaleBytes = 4;
+template <typename KV>
+inline float kv_scale(const KV*, int64_t) { return 1.f; }
+inline float kv_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+// A cache's head_dim: its last axis, less the scale of an int8 cache.
+inline int64_t kv_head_dim(const at::Tensor& cache) {
+  return cache.size(3) - (cache.scalar_type() == at::kChar ? kInt8ScaleBytes : 0);
+}
+
+// One head's row (D values of src) stored into a cache row: copied, converted (float32 to bf16, as torch's
+// .to()), or rounded to int8 with its scale (q = nearbyint(x / scale), scale = absmax / 127; all zeros: scale 0),
+// the same arithmetic as kernels.attention.quantize_kv.
+template <typename T, typename KV>
+inline void store_kv_row(const T* src, KV* dst, int64_t D) {
+  if constexpr (std::is_same_v<T, KV>) {
+    std::memcpy(dst, src, static_cast<size_t>(D) * sizeof(T));
+  } else if constexpr (std::is_same_v<KV, int8_t>) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_f(src[d])));
+    const float scale = amax / 127.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = scale > 0.f ? std::nearbyint(to_f(src[d]) / scale) : 0.f;
+      dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+    }
+    std::memcpy(dst + D, &scale, sizeof scale);
+  } else {
+    for (int64_t d = 0; d < D; ++d) from_f(to_f(src[d]), dst + d);
+  }
+}
+
 inline const float* row_f32(const float* row, float*, int64_t) { return row; }
 inline const float* row_f32(const bf16* row, float* widened, int64_t D) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) widened[d] = to_f(row[d]);
+  return widened;
+}
+inline const float* row_f32(const int8_t* row, float* widened, int64_t D) {
+  const float s = kv_scale(row, D);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) widened[d] = static_cast<float>(row[d]) * s;
   return widened;
 }
 
@@ -163,6 +207,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p) {  // unscaled: the caller applies the row's kv_scale
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Sum of each of 16 vectors, lane u = sum of s[u]'s lanes (a transpose-and-add tree: 15 vector adds
@@ -216,10 +263,11 @@ void decode_values(const float* __restrict p, int64_t n, const KV* __restrict v_
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const KV* v = v_base + slots.next();
+    const float sv = kv_scale(v, 16 * C);  // 1 but for int8 rows
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
     for (int g = 0; g < NG; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+      const __m512 pg = _mm512_set1_ps(p[g * n + j] * sv);
       for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vc[c], a[g][c]);
     }
   }
@@ -288,7 +336,7 @@ void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __re
   // while these 16 keys are scored: the next 16 keys, and these 16 positions' values (for the pass below)
   SlotWalker next_keys(table, block_size, block_stride, slot_stride, std::min(lo + 16, len));
   SlotWalker these_values(table, block_size, block_stride, slot_stride, lo);
-  constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV));
+  constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV)) + (std::is_same_v<KV, int8_t> ? kInt8ScaleBytes : 0);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
     prefetch_rows(k_base, next_keys, std::min<int64_t>(16, n - j0 - 16), row_bytes);
@@ -300,14 +348,17 @@ void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __re
       score16_f32<C>(q, rows, G, scale, valid, scores + j0, n, mxv);
     } else {
 #if defined(__AVX512BF16__)
-      if (qb != nullptr) {
-        score16_bf16<C>(qb, rows, G, scale, valid, scores + j0, n, mxv);
-        continue;
+      if constexpr (std::is_same_v<KV, bf16>) {
+        if (qb != nullptr) {
+          score16_bf16<C>(qb, rows, G, scale, valid, scores + j0, n, mxv);
+          continue;
+        }
       }
 #endif
       const float* frows[16];
-      for (int u = 0; u < 16; ++u) {
-        for (int c = 0; c < C; ++c) _mm512_store_ps(kf[u] + 16 * c, load16(rows[u] + 16 * c));
+      for (int u = 0; u < 16; ++u) {  // widened once, shared by the G heads (int8: times the row's scale)
+        const __m512 s = _mm512_set1_ps(u < nk ? kv_scale(rows[u], D) : 0.f);
+        for (int c = 0; c < C; ++c) _mm512_store_ps(kf[u] + 16 * c, _mm512_mul_ps(load16(rows[u] + 16 * c), s));
         frows[u] = kf[u];
       }
       score16_f32<C>(q, frows, G, scale, valid, scores + j0, n, mxv);
@@ -409,17 +460,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup && D <= kMaxHeadDim, "decode_attention: unsupported heads");
   TORCH_CHECK(seq_ids.size(0) == q.size(0), "decode_attention: one seq id per query row");
-  at::Tensor out = at::empty({q.size(0), Hq, D}, q.options());
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == kt, "decode_attention: k and v caches differ in dtype");
+  TORCH_CHECK(v_cache.scalar_type() == kt && v_cache.size(3) == k_cache.size(3) && kv_head_dim(k_cache) == D,
+              "decode_attention: k and v caches differ, or do not hold q's head_dim");
+  at::Tensor out = at::empty({q.size(0), Hq, D}, q.options());
   if (qt == at::kFloat && kt == at::kFloat) {
     decode_attention_impl<float, float>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
   } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
     decode_attention_impl<bf16, bf16>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
     decode_attention_impl<float, bf16>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
+  } else if (qt == at::kFloat && kt == at::kChar) {
+    decode_attention_impl<float, int8_t>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
+  } else if (qt == at::kBFloat16 && kt == at::kChar) {
+    decode_attention_impl<bf16, int8_t>(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window, out);
   } else {
-    TORCH_CHECK(false, "decode_attention: dtypes float32 or bfloat16");
+    TORCH_CHECK(false, "decode_attention: q float32 or bfloat16, caches float32, bfloat16 or int8 (not finer than q)");
   }
   return out;
 }
@@ -797,7 +853,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
 // ---- rope_store_kv ---------------------------------------------------------------------------------------
 // qk: (T, Hq + Hkv, D) view (head_dim contiguous), rotated in place; heads Hq.. are the keys. v: (T, Hkv, D).
 // cos, sin: (T, D) float32. Caches (num_blocks, block_size, Hkv, D), any strides; slot = block * bs + offset.
-template <typename T>
+template <typename T, typename KV>
 void rope_store_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                         int64_t num_q_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   const int64_t n_tok = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
@@ -808,8 +864,8 @@ void rope_store_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& c
   const T* vp = v.data_ptr<T>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  KV* kc = k_cache.data_ptr<KV>();
+  KV* vc = v_cache.data_ptr<KV>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   at::parallel_for(0, n_tok, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -830,13 +886,9 @@ void rope_store_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& c
           from_f(lo[d], x + d);
           from_f(hi[d], x + d + half);
         }
-        if (h >= num_q_heads) {
-          T* dst = kc + base + (h - num_q_heads) * ch;
-          std::memcpy(dst, x, static_cast<size_t>(D) * sizeof(T));
-        }
+        if (h >= num_q_heads) store_kv_row(x, kc + base + (h - num_q_heads) * ch, D);
       }
-      for (int64_t h = 0; h < hkv; ++h)
-        std::memcpy(vc + base + h * ch, vp + t * vs0 + h * vs1, static_cast<size_t>(D) * sizeof(T));
+      for (int64_t h = 0; h < hkv; ++h) store_kv_row(vp + t * vs0 + h * vs1, vc + base + h * ch, D);
     }
   });
 }
@@ -845,7 +897,8 @@ void rope_store_kv(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, co
                    int64_t num_q_heads, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
   TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && qk.stride(2) == 1 && v.stride(2) == 1, "rope_store_kv: bad q/k/v");
   const int64_t D = qk.size(2), hkv = qk.size(1) - num_q_heads;
-  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadDim && hkv == v.size(1) && hkv == k_cache.size(2) && v.size(2) == D,
+  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadDim && hkv == v.size(1) && hkv == k_cache.size(2) && v.size(2) == D &&
+                  kv_head_dim(k_cache) == D,
               "rope_store_kv: head shapes disagree");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.numel() == qk.size(0) * D && sin.numel() == cos.numel(),
@@ -854,15 +907,20 @@ void rope_store_kv(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, co
               "rope_store_kv: one int64 slot per token");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(),
               "rope_store_kv: caches need head_dim contiguous and equal strides");
-  const auto dt = qk.scalar_type();
-  TORCH_CHECK(v.scalar_type() == dt && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
-              "rope_store_kv: q/k/v and the caches share one dtype");
-  if (dt == at::kFloat) {
-    rope_store_kv_impl<float>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
-  } else if (dt == at::kBFloat16) {
-    rope_store_kv_impl<bf16>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  const auto dt = qk.scalar_type(), kt = k_cache.scalar_type();
+  TORCH_CHECK(v.scalar_type() == dt && v_cache.scalar_type() == kt, "rope_store_kv: q/k/v share one dtype, the caches another");
+  if (dt == at::kFloat && kt == at::kFloat) {
+    rope_store_kv_impl<float, float>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  } else if (dt == at::kBFloat16 && kt == at::kBFloat16) {
+    rope_store_kv_impl<bf16, bf16>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  } else if (dt == at::kFloat && kt == at::kBFloat16) {
+    rope_store_kv_impl<float, bf16>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  } else if (dt == at::kFloat && kt == at::kChar) {
+    rope_store_kv_impl<float, int8_t>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
+  } else if (dt == at::kBFloat16 && kt == at::kChar) {
+    rope_store_kv_impl<bf16, int8_t>(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
   } else {
-    TORCH_CHECK(false, "rope_store_kv: dtypes float32 or bfloat16");
+    TORCH_CHECK(false, "rope_store_kv: q/k/v float32 or bfloat16, caches float32, bfloat16 or int8 (not finer than q)");
   }
 }
 
@@ -2484,7 +2542,7 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
     const int64_t t = first[g];
     lora_add(y, in, lora[t], lora[t + 1], lora[t + 2], lora[t + 3], *token_slots, slices[g]);
   };
-  const int64_t T = h.size(0), D = k_cache.size(3), hkv = k_cache.size(2);
+  const int64_t T = h.size(0), D = kv_head_dim(k_cache), hkv = k_cache.size(2);
   const int64_t q_size = num_q_heads * D, kv_size = hkv * D;
   TORCH_CHECK(ns[0] == q_size + 2 * kv_size, "decode_layer: the qkv width must be (H_q + 2 H_kv) * D");
   const std::optional<at::Tensor> none;

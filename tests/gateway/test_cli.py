@@ -113,10 +113,13 @@ def test_serve_passes_engine_flags_to_its_worker():
     """`loraplex serve`'s engine flags reach the worker it starts, and the worker's parser reads them back."""
     from gateway.cli.serve import worker_command
 
-    args = build_parser({}).parse_args(["serve", "--threads", "3", "--decode-graphs", "on", "--quantization", "int8"])
+    args = build_parser({}).parse_args(["serve", "--threads", "3", "--decode-graphs", "on", "--quantization", "int8",
+                                        "--kv-cache-dtype", "int8"])
     argv = worker_command(args, Path("/models/m"), "m", 8123)
     parsed = worker_cli.build_parser({}).parse_args(argv[argv.index("worker") + 1:])
-    assert (parsed.threads, parsed.decode_graphs, parsed.quantization, parsed.port) == (3, "on", "int8", 8123)
+    assert (parsed.threads, parsed.decode_graphs, parsed.quantization, parsed.kv_cache_dtype, parsed.port) == (
+        3, "on", "int8", "int8", 8123)
+    assert build_parser({}).parse_args(["serve"]).kv_cache_dtype == "auto"
     assert build_parser({}).parse_args(["serve"]).threads is None  # torch's default unless asked
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["serve", "--threads", "0"])

@@ -38,10 +38,11 @@ FAMILIES = {  # name -> (type, label names)
     "vllm:num_requests_running": ("gauge", set()),
     "vllm:num_requests_waiting": ("gauge", set()),
     "vllm:kv_cache_usage_perc": ("gauge", set()),
-    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks"}),
+    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks", "cache_dtype"}),
     "vllm:lora_requests_info": ("gauge", {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}),
     "vllm:lora_adapter_loaded": ("gauge", {"adapter_name", "level", "pinned", "rank"}),
     "loraplex_worker_weight_bytes": ("gauge", set()),
+    "loraplex_worker_kv_cache_bytes": ("gauge", set()),
     "loraplex_worker_prefix_cache_hits": ("counter", set()),
     "loraplex_worker_adapter_slot_loads": ("counter", set()),
     "loraplex_worker_faulted_steps": ("counter", set()),
@@ -142,9 +143,11 @@ def test_every_protocol_family_has_its_type_and_labels(worker):
         for sample in families[name].samples:
             assert set(sample.labels) == labels, name
     (config,) = families["vllm:cache_config_info"].samples
-    assert config.labels == {"block_size": "4", "num_gpu_blocks": "256"} and config.value == 1
+    dtype = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
+    assert config.labels == {"block_size": "4", "num_gpu_blocks": "256", "cache_dtype": dtype} and config.value == 1
     assert lora_info(families)["max_lora"] == "1"
     assert value(families, "loraplex_worker_weight_bytes") == llm.engine.runner.weight_bytes > 0
+    assert value(families, "loraplex_worker_kv_cache_bytes") == llm.engine.runner.kv_cache_bytes > 0
     assert 0.0 <= value(families, "vllm:kv_cache_usage_perc") <= 1.0
 
 
