@@ -16,7 +16,8 @@ The caches hold the model's dtype, or a finer one (EngineConfig.kv_cache_dtype):
 queries, or int8. An int8 cache row is one slot's head, head_dim int8 values then their float32 scale
 (KV_INT8_SCALE_BYTES, read as 4 bytes), so its last axis is head_dim + 4: the row means values * scale, with
 scale = absmax / 127 of the row it was rounded from (quantize_kv), as llama.cpp's q8_0 keeps its scale beside
-its block. Attention reads every cache in fp32.
+its block. Attention over an int8 cache scores with the queries rounded the same way (scoring_query); the
+native decode kernel also rounds its probabilities to 16 bits against their largest (1/65534 of it).
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
     head_dim = rows.shape[-1] - KV_INT8_SCALE_BYTES
     scale = rows[..., head_dim:].contiguous().view(torch.float32)  # (..., 1)
     return rows[..., :head_dim].float() * scale
+
+
+def scoring_query(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The queries as attention over a cache in cache_dtype scores them: over int8 caches rounded per head the
+    way the keys are (dequantize_kv(quantize_kv(q)), float32; llama.cpp rounds the query to its q8_0 keys'
+    type too, and the native kernel then multiplies int8 by int8), otherwise q itself."""
+    return dequantize_kv(quantize_kv(q)) if cache_dtype == torch.int8 else q
 
 
 def cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -164,7 +172,8 @@ def paged_attention_ref(
         keys = _readable(k_heads.index_select(1, plan.decode_blocks), q.dtype).view(num_kv_heads * b, length, head_dim)
         values = _readable(v_heads.index_select(1, plan.decode_blocks), q.dtype).view(num_kv_heads * b, length,
                                                                                       head_dim)
-        qd = (q if only_decode else q[plan.decode_rows]).view(b, num_kv_heads, group, head_dim).transpose(0, 1)
+        qd = scoring_query(q if only_decode else q[plan.decode_rows], k_cache.dtype)
+        qd = qd.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
         qd = qd.reshape(num_kv_heads * b, group, head_dim).to(keys.dtype)
         scores = torch.bmm(qd, keys.transpose(1, 2)).float().view(num_kv_heads, b, group, length)
         scores = scores.mul_(scale).masked_fill_(plan.decode_masked[None, :, None, :], float("-inf"))
@@ -189,8 +198,7 @@ def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache
                        plan: StepAttentionPlan, ops: Any = None) -> torch.Tensor:
     """The step's output: `decode_out` (the decode rows, computed by either path) placed at their rows,
     and every prefill chunk (more than one query token) computed one sequence at a time: by the native
-    kernel when `ops` has one for these shapes, else in torch. The native kernel takes caches in q's dtype:
-    a finer cache's blocks of the sequence are converted first (a few hundred rows per layer)."""
+    kernel when `ops` has one for these shapes, else in torch."""
     native = (ops is not None and ops.has_prefill_attention() and q.shape[2] in (64, 128)
               and k_cache.stride() == v_cache.stride())
     out = torch.empty_like(q)
@@ -206,18 +214,15 @@ def _with_prefill_rows(q: torch.Tensor, decode_out: torch.Tensor | None, k_cache
         seq_len = lens[i]
         n_blocks = (seq_len + block_size - 1) // block_size
         table = block_tables[i, :n_blocks]
-        if native:
-            keys, values, table = k_cache, v_cache, table.to(torch.int32).contiguous()
-            if k_cache.dtype != q.dtype:  # this sequence's blocks in q's dtype, read through a table of their own
-                keys, values = cache_values(k_cache[table], q.dtype), cache_values(v_cache[table], q.dtype)
-                table = torch.arange(n_blocks, dtype=torch.int32)
+        if native:  # a finer cache: the op widens the sequence's blocks to q's dtype first
             out[starts[i] : starts[i + 1]] = ops.prefill_attention(
-                q[starts[i] : starts[i + 1]], keys, values, table, seq_len, scale, sliding_window or 0)
+                q[starts[i] : starts[i + 1]], k_cache, v_cache, table.to(torch.int32).contiguous(), seq_len, scale,
+                sliding_window or 0)
             continue
+        chunk = scoring_query(q[starts[i] : starts[i + 1]], k_cache.dtype).float()
         keys = cache_values(k_heads.index_select(1, table), torch.float32).flatten(1, 2)[:, :seq_len]  # (H_kv, S, D)
         values = cache_values(v_heads.index_select(1, table), torch.float32).flatten(1, 2)[:, :seq_len]
-        out[starts[i] : starts[i + 1]] = _prefill_chunk(q[starts[i] : starts[i + 1]].float(), keys, values, scale,
-                                                        sliding_window).to(q.dtype)
+        out[starts[i] : starts[i + 1]] = _prefill_chunk(chunk, keys, values, scale, sliding_window).to(q.dtype)
     return out
 
 

@@ -147,6 +147,16 @@ inline void store_kv_row(const T* src, KV* dst, int64_t D) {
   }
 }
 
+// x (D floats) replaced by what store_kv_row's int8 rounding of it means (q * scale): attention over int8 caches
+// scores with the query rounded as the keys are (llama.cpp rounds the query to its q8_0 keys' type too).
+inline void round_like_int8_rows(float* x, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.f;
+  for (int64_t d = 0; d < D; ++d)
+    x[d] = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / scale))) * scale : 0.f;
+}
+
 inline const float* row_f32(const float* row, float*, int64_t) { return row; }
 inline const float* row_f32(const bf16* row, float* widened, int64_t D) {
 #pragma omp simd
@@ -228,41 +238,37 @@ inline __m512 hsum16(const __m512* s) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
-// Cache slot of position `pos` onwards along a block table, one step at a time (no division per key).
-struct SlotWalker {
-  const int32_t* table;
-  int64_t block_size, block_stride, slot_stride, block, offset;
-  SlotWalker(const int32_t* t, int64_t bs, int64_t bstride, int64_t sstride, int64_t pos)
-      : table(t), block_size(bs), block_stride(bstride), slot_stride(sstride), block(pos / bs), offset(pos % bs) {}
-  int64_t next() {  // this position's element offset, then step to the next position
-    const int64_t at = table[block] * block_stride + offset * slot_stride;
-    if (++offset == block_size) {
-      offset = 0;
-      ++block;
-    }
-    return at;
+// The element offsets of positions lo .. len - 1 along a block table, worked out once per (sequence, kv head):
+// every pass over the keys and values then reads off[j] (no division or table lookup per key and pass).
+inline void slot_offsets(const int32_t* table, int64_t block_size, int64_t block_stride, int64_t slot_stride,
+                         int64_t lo, int64_t len, int64_t* __restrict off) {
+  int64_t j = lo;
+  while (j < len) {
+    const int64_t block = j / block_size, end = std::min(len, (block + 1) * block_size);
+    int64_t at = table[block] * block_stride + (j % block_size) * slot_stride;
+    for (; j < end; ++j, at += slot_stride) *off++ = at;
   }
-};
+}
 
-// The next `count` positions of `w` (advanced past them) fetched into L2, row_bytes each: blocks are scattered,
-// so the hardware prefetcher starts cold at every block boundary.
+// Rows off[0 .. count) of `base` fetched into L2, row_bytes each: blocks are scattered, so the hardware
+// prefetcher starts cold at every block boundary.
 template <typename KV>
-inline void prefetch_rows(const KV* base, SlotWalker& w, int64_t count, int64_t row_bytes) {
+inline void prefetch_rows(const KV* base, const int64_t* off, int64_t count, int64_t row_bytes) {
   for (int64_t u = 0; u < count; ++u) {
-    const char* row = reinterpret_cast<const char*>(base + w.next());
+    const char* row = reinterpret_cast<const char*>(base + off[u]);
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
   }
 }
 
 // out(NG, D) = (sum_j p[g, j] V[j]) * inv_sum[g] for NG query heads, NG * C accumulators in registers.
 template <typename KV, int C, int NG>
-void decode_values(const float* __restrict p, int64_t n, const KV* __restrict v_base, SlotWalker slots,
+void decode_values(const float* __restrict p, int64_t n, const KV* __restrict v_base, const int64_t* __restrict off,
                    const float* inv_sum, float* __restrict out) {
   __m512 a[NG][C];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const KV* v = v_base + slots.next();
+    const KV* v = v_base + off[j];
     const float sv = kv_scale(v, 16 * C);  // 1 but for int8 rows
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
@@ -325,25 +331,23 @@ template <typename KV, int C>
 void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __restrict k_base,
                        const KV* __restrict v_base, int64_t block_stride, int64_t slot_stride,
                        const int32_t* __restrict table, int64_t block_size, int64_t lo, int64_t len, int64_t G,
-                       float scale, float* __restrict scores, float* __restrict acc) {
+                       float scale, float* __restrict scores, int64_t* __restrict off, float* __restrict acc) {
   constexpr int D = 16 * C;
   const int64_t n = len - lo;
   alignas(64) static const KV zeros[D] = {};
   alignas(64) float kf[16][D];  // bf16 keys widened once (no bf16 dot products)
   __m512 mxv[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  SlotWalker keys(table, block_size, block_stride, slot_stride, lo);
-  // while these 16 keys are scored: the next 16 keys, and these 16 positions' values (for the pass below)
-  SlotWalker next_keys(table, block_size, block_stride, slot_stride, std::min(lo + 16, len));
-  SlotWalker these_values(table, block_size, block_stride, slot_stride, lo);
+  slot_offsets(table, block_size, block_stride, slot_stride, lo, len, off);
   constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV)) + (std::is_same_v<KV, int8_t> ? kInt8ScaleBytes : 0);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
-    prefetch_rows(k_base, next_keys, std::min<int64_t>(16, n - j0 - 16), row_bytes);
-    prefetch_rows(v_base, these_values, nk, row_bytes);
+    // while these 16 keys are scored: the next 16 keys, and these 16 positions' values (for the pass below)
+    prefetch_rows(k_base, off + j0 + 16, std::min<int64_t>(16, n - j0 - 16), row_bytes);
+    prefetch_rows(v_base, off + j0, nk, row_bytes);
     const __mmask16 valid = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
     const KV* rows[16];
-    for (int u = 0; u < 16; ++u) rows[u] = u < nk ? k_base + keys.next() : zeros;
+    for (int u = 0; u < 16; ++u) rows[u] = u < nk ? k_base + off[j0 + u] : zeros;
     if constexpr (std::is_same_v<KV, float>) {
       score16_f32<C>(q, rows, G, scale, valid, scores + j0, n, mxv);
     } else {
@@ -369,14 +373,184 @@ void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __re
   softmax_numerators(scores, mx, G, n, inv_sum);
   constexpr int NG = 16 / C;  // query heads per pass over the values
   for (int64_t g0 = 0; g0 < G; g0 += NG) {
-    const SlotWalker values(table, block_size, block_stride, slot_stride, lo);
     const float* p = scores + g0 * n;
     float* out = acc + g0 * D;
     switch (std::min<int64_t>(NG, G - g0)) {
-      case 1: decode_values<KV, C, 1>(p, n, v_base, values, inv_sum + g0, out); break;
-      case 2: decode_values<KV, C, 2>(p, n, v_base, values, inv_sum + g0, out); break;
-      case 3: if constexpr (NG >= 3) decode_values<KV, C, 3>(p, n, v_base, values, inv_sum + g0, out); break;
-      default: if constexpr (NG >= 4) decode_values<KV, C, 4>(p, n, v_base, values, inv_sum + g0, out); break;
+      case 1: decode_values<KV, C, 1>(p, n, v_base, off, inv_sum + g0, out); break;
+      case 2: decode_values<KV, C, 2>(p, n, v_base, off, inv_sum + g0, out); break;
+      case 3: if constexpr (NG >= 3) decode_values<KV, C, 3>(p, n, v_base, off, inv_sum + g0, out); break;
+      default: if constexpr (NG >= 4) decode_values<KV, C, 4>(p, n, v_base, off, inv_sum + g0, out); break;
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// hsum16 of int32 vectors: lane u = the sum of s[u]'s lanes (the same tree).
+inline __m512i hsum16_epi32(const __m512i* s) {
+  __m512i a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  const __m512i d01 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x44), _mm512_shuffle_i32x4(b[0], b[1], 0xEE));
+  const __m512i d23 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x44), _mm512_shuffle_i32x4(b[2], b[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(d01, d23, 0x88), _mm512_shuffle_i32x4(d01, d23, 0xDD));
+}
+
+// out(NG, D) over int8 value rows: sum_j p16[g, j] v_j in int32 by VPDPWSSD, two keys per instruction (rows j, j+1
+// widened to int16 and interleaved; p16 pairs packed as (p_j, p_j+1)), flushed to fp32 every 256 keys (no int32
+// overflow: 256 * 32767 * 127 < 2^31), times unit[g] at the end. Lanes of an interleaved vector hold the dims
+// 8 l + {0..3} (unpacklo) or 8 l + {4..7} (unpackhi) of its 32-dim half, l the 128-bit lane: put back at the store.
+template <int C, int NG>
+void decode_values_int8(const int32_t* __restrict pairs, int64_t n, const int8_t* __restrict v_base,
+                        const int64_t* __restrict off, const float* unit, float* __restrict out) {
+  constexpr int D = 16 * C, H = D / 32;  // int16 halves of 32 dims per row
+  const int64_t np = (n + 1) / 2;
+  const int64_t pstride = np;
+  __m512 f[NG][2 * H];
+  __m512i a[NG][2 * H];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 2 * H; ++c) {
+      f[g][c] = _mm512_setzero_ps();
+      a[g][c] = _mm512_setzero_si512();
+    }
+  alignas(64) static const int8_t zeros[D] = {};
+  for (int64_t jp = 0; jp < np; ++jp) {
+    const int8_t* v0 = v_base + off[2 * jp];
+    const int8_t* v1 = 2 * jp + 1 < n ? v_base + off[2 * jp + 1] : zeros;
+    __m512i x[2 * H];
+    for (int h = 0; h < H; ++h) {
+      const __m512i r0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * h)));
+      const __m512i r1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32 * h)));
+      x[2 * h] = _mm512_unpacklo_epi16(r0, r1);
+      x[2 * h + 1] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m512i pg = _mm512_set1_epi32(pairs[g * pstride + jp]);
+      for (int c = 0; c < 2 * H; ++c) a[g][c] = _mm512_dpwssd_epi32(a[g][c], x[c], pg);
+    }
+    if ((jp & 127) == 127 || jp + 1 == np) {
+      for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < 2 * H; ++c) {
+          f[g][c] = _mm512_add_ps(f[g][c], _mm512_cvtepi32_ps(a[g][c]));
+          a[g][c] = _mm512_setzero_si512();
+        }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    alignas(64) float t[16];
+    for (int c = 0; c < 2 * H; ++c) {
+      _mm512_store_ps(t, _mm512_mul_ps(f[g][c], _mm512_set1_ps(unit[g])));
+      const int64_t base = 32 * (c / 2) + 4 * (c % 2);
+      for (int k = 0; k < 16; ++k) out[g * D + base + 8 * (k / 4) + (k % 4)] = t[k];
+    }
+  }
+}
+
+// decode_one over int8 rows (head_dim = 16 * C, 64 or 128) with integer products. Each query head is rounded
+// to int8 as the cache rows are (scale qs = absmax / 127); VPDPBUSD multiplies it by the keys made unsigned
+// (k + 128, one xor), and the 128 * sum(q) that adds is taken off once per head: scores = dot * qs * k_scale *
+// scale. The probabilities, times each row's value scale, are rounded to int16 against their largest (p16 =
+// p * sv * 32767 / max) for the values' VPDPWSSD. Rounding q costs up to half a step of its largest element
+// per element, the probabilities 1/65534 of the largest: the tests hold this path to the naive reference over
+// q rounded the same way. off: n scratch offsets; scores: (G + 1) * n floats; pairs: G * ceil(n / 2).
+template <int C>
+void decode_one_int8(const float* __restrict q, const int8_t* __restrict k_base, const int8_t* __restrict v_base,
+                     int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
+                     int64_t lo, int64_t len, int64_t G, float scale, float* __restrict scores,
+                     int32_t* __restrict pairs, int64_t* __restrict off, float* __restrict acc) {
+  constexpr int D = 16 * C, QB = D / 64;  // zmm of 64 bytes per row
+  const int64_t n = len - lo;
+  alignas(64) static const int8_t zeros[D + kInt8ScaleBytes] = {};
+  __m512i qv[kMaxGroup][QB];
+  float qscale[kMaxGroup];
+  int32_t qoffset[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    __m512 m = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(qg + 16 * c)));
+    const float qs = _mm512_reduce_max_ps(m) / 127.f;
+    const __m512 by = _mm512_set1_ps(qs > 0.f ? qs : 1.f);  // (all zeros: 0 / 1)
+    alignas(64) int8_t b[D];
+    __m512i total = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) {  // x / qs rounded to nearest even (MXCSR's default), as round_like_int8_rows
+      const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(qg + 16 * c), by));
+      const __m512i cl = _mm512_min_epi32(_mm512_max_epi32(r, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+      total = _mm512_add_epi32(total, cl);
+      _mm_store_si128(reinterpret_cast<__m128i*>(b + 16 * c), _mm512_cvtepi32_epi8(cl));
+    }
+    for (int c = 0; c < QB; ++c) qv[g][c] = _mm512_load_si512(b + 64 * c);
+    qscale[g] = qs * scale;
+    qoffset[g] = 128 * _mm512_reduce_add_epi32(total);
+  }
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 mxv[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  slot_offsets(table, block_size, block_stride, slot_stride, lo, len, off);
+  constexpr int64_t row_bytes = D + kInt8ScaleBytes;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
+    prefetch_rows(k_base, off + j0 + 16, std::min<int64_t>(16, n - j0 - 16), row_bytes);
+    prefetch_rows(v_base, off + j0, nk, row_bytes);
+    const __mmask16 valid = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
+    const int8_t* rows[16];
+    alignas(64) float ks[16];
+    for (int u = 0; u < 16; ++u) {
+      rows[u] = u < nk ? k_base + off[j0 + u] : zeros;
+      ks[u] = kv_scale(rows[u], D);
+    }
+    const __m512 kscale = _mm512_load_ps(ks);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i s[16];
+      for (int u = 0; u < 16; ++u) {
+        s[u] = _mm512_setzero_si512();
+        for (int c = 0; c < QB; ++c)
+          s[u] = _mm512_dpbusd_epi32(s[u], _mm512_xor_si512(_mm512_loadu_si512(rows[u] + 64 * c), sign), qv[g][c]);
+      }
+      const __m512i dots = _mm512_sub_epi32(hsum16_epi32(s), _mm512_set1_epi32(qoffset[g]));
+      const __m512 sc = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), kscale), _mm512_set1_ps(qscale[g]));
+      _mm512_mask_storeu_ps(scores + g * n + j0, valid, sc);
+      mxv[g] = _mm512_mask_max_ps(mxv[g], valid, mxv[g], sc);
+    }
+  }
+  float mx[kMaxGroup], inv_sum[kMaxGroup], unit[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(mxv[g]);
+  softmax_numerators(scores, mx, G, n, inv_sum);
+  // p * sv per key (the row's value scale), then as int16 against the head's largest: in memory, p16[j] and
+  // p16[j + 1] are the pair (low, high) of int32 j / 2
+  const int64_t np = (n + 1) / 2;
+  float* sv = scores + G * n;  // n spare floats past the scores
+  for (int64_t j = 0; j < n; ++j) sv[j] = kv_scale(v_base + off[j], D);
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = scores + g * n;
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, pg + j), _mm512_maskz_loadu_ps(k, sv + j));
+      _mm512_mask_storeu_ps(pg + j, k, x);
+      m = _mm512_max_ps(m, x);
+    }
+    const float pmax = _mm512_reduce_max_ps(m);
+    const __m512 to16 = _mm512_set1_ps(pmax > 0.f ? 32767.f / pmax : 0.f);
+    unit[g] = (pmax / 32767.f) * inv_sum[g];
+    int16_t* p16 = reinterpret_cast<int16_t*>(pairs + g * np);
+    p16[2 * np - 1] = 0;  // the pad of an odd n
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pg + j), to16));
+      _mm256_mask_storeu_epi16(p16 + j, k, _mm512_cvtepi32_epi16(r));
+    }
+  }
+  constexpr int NG = 16 / C;
+  for (int64_t g0 = 0; g0 < G; g0 += NG) {
+    const int32_t* pp = pairs + g0 * np;
+    float* out = acc + g0 * D;
+    switch (std::min<int64_t>(NG, G - g0)) {
+      case 1: decode_values_int8<C, 1>(pp, n, v_base, off, unit + g0, out); break;
+      case 2: decode_values_int8<C, 2>(pp, n, v_base, off, unit + g0, out); break;
+      case 3: if constexpr (NG >= 3) decode_values_int8<C, 3>(pp, n, v_base, off, unit + g0, out); break;
+      default: if constexpr (NG >= 4) decode_values_int8<C, 4>(pp, n, v_base, off, unit + g0, out); break;
     }
   }
 }
@@ -402,6 +576,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<int32_t> pairs;  // int8 caches: the probabilities as int16 pairs
+    std::vector<int64_t> offs;  // the cache offsets of a sequence's positions
     float qf[kMaxGroup * kMaxHeadDim];
     alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];
     float acc[kMaxGroup * kMaxHeadDim];
@@ -419,6 +595,28 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const KV* vh_base = vp + h * kh;
       const int32_t* table = tables + s * table_stride;
 #if defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<KV, int8_t>) {
+        if (D == 64 || D == 128) {
+          const int64_t n = len - lo;
+          scores.resize(static_cast<size_t>((G + 1) * n));
+          pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
+          offs.resize(static_cast<size_t>(n));
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+          if (D == 64) {
+            decode_one_int8<4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                               pairs.data(), offs.data(), acc);
+          } else {
+            decode_one_int8<8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                               pairs.data(), offs.data(), acc);
+          }
+          Q* ob = op + b * Hq * D + h * G * D;
+          for (int64_t i = 0; i < G * D; ++i) from_f(acc[i], ob + i);
+          continue;
+        }
+      }
+#endif
       if (D == 64 || D == 128) {
         // bf16 dot products for the scores when q and the keys are both bf16 (q copied as it is)
         const bf16* qbf = nullptr;
@@ -428,16 +626,22 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         }
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+        offs.resize(static_cast<size_t>(len - lo));
         if (D == 64) {
-          decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(), acc);
+          decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                                   offs.data(), acc);
         } else {
-          decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(), acc);
+          decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                                   offs.data(), acc);
         }
       } else
 #endif
       {
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]) * sc;
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+          if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= sc;
+        }
         decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
       }
       Q* ob = op + b * Hq * D + h * G * D;
@@ -729,11 +933,94 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 }
 #endif
 
+// A finer cache's first nb blocks along `table` in out's dtype (out: (nb, block_size, Hkv, D), contiguous).
+template <typename T, typename KV>
+void widen_blocks(const at::Tensor& cache, const int32_t* table, at::Tensor& out) {
+  const int64_t nb = out.size(0), bs = out.size(1), hkv = out.size(2), D = out.size(3);
+  const int64_t cb = cache.stride(0), cs = cache.stride(1), ch = cache.stride(2);
+  const KV* src = cache.data_ptr<KV>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, nb * bs, 64, [&](int64_t begin, int64_t end) {
+    float widened[kMaxHeadDim];
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const float* f = row_f32(src + table[r / bs] * cb + (r % bs) * cs + h * ch, widened, D);
+        T* d = dst + (r * hkv + h) * D;
+        for (int64_t i = 0; i < D; ++i) from_f(f[i], d + i);
+      }
+  });
+}
+
+// q (n, heads, D; rows of heads contiguous, stride qs between tokens) rounded per head like int8 cache rows,
+// into out (n, heads, D) contiguous.
+template <typename T>
+void round_queries_like_int8(const T* q, int64_t qs, int64_t n, int64_t heads, int64_t D, T* out) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float x[kMaxHeadDim];
+      const T* src = q + t * qs + h * D;
+      for (int64_t d = 0; d < D; ++d) x[d] = to_f(src[d]);
+      round_like_int8_rows(x, D);
+      T* dst = out + (t * heads + h) * D;
+      for (int64_t d = 0; d < D; ++d) from_f(x[d], dst + d);
+    }
+}
+
+template <typename T>
+at::Tensor widened_blocks(const at::Tensor& cache, const at::Tensor& table, int64_t nb, int64_t D, at::ScalarType dt) {
+  at::Tensor out = at::empty({nb, cache.size(1), cache.size(2), D}, cache.options().dtype(dt));
+  const int32_t* t = table.data_ptr<int32_t>();
+  if (cache.scalar_type() == at::kChar) {
+    widen_blocks<T, int8_t>(cache, t, out);
+  } else if (cache.scalar_type() == at::kBFloat16) {
+    widen_blocks<T, bf16>(cache, t, out);
+  } else {
+    TORCH_CHECK(false, "prefill_attention: caches finer than q are bfloat16 or int8");
+  }
+  return out;
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& table, int64_t seq_len, double scale, int64_t window);
+
+// A cache finer than q (bf16 under float32, or int8): the sequence's blocks widened to q's dtype first (a few
+// hundred rows), read through a table of their own; over int8, q rounded per head as the keys are.
+at::Tensor prefill_attention_finer(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& table, int64_t seq_len, double scale, int64_t window) {
+  const int64_t D = q.size(2), nb = (seq_len + k_cache.size(1) - 1) / k_cache.size(1);
+  TORCH_CHECK(kv_head_dim(k_cache) == D && v_cache.sizes() == k_cache.sizes() && table.numel() >= nb && q.stride(1) == D,
+              "prefill_attention: the caches do not hold q's head_dim, or the table does not cover seq_len");
+  const auto qt = q.scalar_type();
+  at::Tensor k, v, qr = q;
+  if (qt == at::kFloat) {
+    k = widened_blocks<float>(k_cache, table, nb, D, qt);
+    v = widened_blocks<float>(v_cache, table, nb, D, qt);
+  } else {
+    TORCH_CHECK(qt == at::kBFloat16 && k_cache.scalar_type() == at::kChar, "prefill_attention: a cache coarser than q");
+    k = widened_blocks<bf16>(k_cache, table, nb, D, qt);
+    v = widened_blocks<bf16>(v_cache, table, nb, D, qt);
+  }
+  if (k_cache.scalar_type() == at::kChar) {
+    qr = at::empty({q.size(0), q.size(1), D}, q.options());
+    if (qt == at::kFloat) {
+      round_queries_like_int8(q.data_ptr<float>(), q.stride(0), q.size(0), q.size(1), D, qr.data_ptr<float>());
+    } else {
+      round_queries_like_int8(q.data_ptr<bf16>(), q.stride(0), q.size(0), q.size(1), D, qr.data_ptr<bf16>());
+    }
+  }
+  at::Tensor own = at::empty({nb}, table.options());
+  for (int64_t i = 0; i < nb; ++i) own.data_ptr<int32_t>()[i] = static_cast<int32_t>(i);
+  return prefill_attention(qr, k, v, own, seq_len, scale, window);
+}
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& table, int64_t seq_len, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && k_cache.stride(3) == 1 &&
                   k_cache.strides() == v_cache.strides(),
               "prefill_attention: q (n, Hq, D), caches (blocks, block_size, Hkv, D) with equal strides");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous(), "prefill_attention: the block table is int32");
+  if (k_cache.scalar_type() != q.scalar_type())
+    return prefill_attention_finer(q, k_cache, v_cache, table, seq_len, scale, window);
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK((D == 64 || D == 128) && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "prefill_attention: head_dim 64 or 128");
   TORCH_CHECK(n >= 1 && seq_len >= n, "prefill_attention: seq_len counts the chunk's own tokens");

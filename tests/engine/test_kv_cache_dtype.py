@@ -1,11 +1,12 @@
 """The KV cache in a finer dtype than the compute dtype (EngineConfig.kv_cache_dtype): int8 rows with their
 scales, or bf16 under float32 compute. The reference is the same model with its cache in the compute dtype.
 
-Measured on the tiny random models (16 prompts x 64 greedy tokens of the finer-cache engine, each replayed
-through the reference; four families, both dtypes): the reference picks the same token at 1005-1023 of
-1024 positions, and prefill logits differ by at most 0.055 (int8) and 0.014 (bf16 under fp32). Free-running
-greedy of these near-flat random models parts at the first near-tie (640-1024 of 1024), so the decode
-path's choices are checked position by position instead.
+Over an int8 cache the queries are rounded like the keys too (kernels.attention.scoring_query). Measured on
+the tiny random models (16 prompts x 64 greedy tokens of the finer-cache engine, each replayed through the
+reference; four families, both dtypes): the reference picks the same token at 1003-1024 of 1024 positions,
+and prefill logits differ by at most 0.049 (int8) and 0.014 (bf16 under fp32). Free-running greedy of these
+near-flat random models parts at the first near-tie (573-1024 of 1024), so the decode path's choices are
+checked position by position instead.
 """
 
 from __future__ import annotations
