@@ -18,6 +18,28 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(__file__).resolve().parent / ".cache"
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet(threshold: float = 0.1, interval_s: float = 0.5, timeout_s: float = 30.0) -> float:
+    """Wait until the machine's CPUs are busy less than `threshold` of one interval (a server that finished
+    its round may keep its threads spinning for a while: vLLM-CPU's did, and the next server measured ~20 %
+    less); the seconds waited. Returns at the timeout however busy the machine still is."""
+    start = time.monotonic()
+    busy0, total0 = _cpu_times()
+    while time.monotonic() - start < timeout_s:
+        time.sleep(interval_s)
+        busy1, total1 = _cpu_times()
+        if total1 > total0 and (busy1 - busy0) / (total1 - total0) < threshold:
+            break
+        busy0, total0 = busy1, total1
+    return time.monotonic() - start
+
+
 def bench_model(dtype: torch.dtype = torch.float32) -> Path:
     """The SmolLM-135M-shaped random model with a trained 8192-token byte-level BPE (built once, cached)."""
     tok_dir = CACHE / "tokenizer-8k"

