@@ -260,6 +260,21 @@ inline void prefetch_rows(const KV* base, const int64_t* off, int64_t count, int
   }
 }
 
+// The 16 keys from j0 of n (rows past n read `zeros`): their rows, and how many exist. Meanwhile the next 16
+// keys and these 16 positions' values (for the pass over the values) are fetched into L2.
+template <typename KV>
+inline int key_chunk(const KV* k_base, const KV* v_base, const int64_t* off, int64_t j0, int64_t n,
+                     int64_t row_bytes, const KV* zeros, const KV** rows) {
+  const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
+  prefetch_rows(k_base, off + j0 + 16, std::min<int64_t>(16, n - j0 - 16), row_bytes);
+  prefetch_rows(v_base, off + j0, nk, row_bytes);
+  for (int u = 0; u < 16; ++u) rows[u] = u < nk ? k_base + off[j0 + u] : zeros;
+  return nk;
+}
+
+// The mask of lanes 0 .. k - 1 (all 16 from k = 16 on).
+inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1); }
+
 // out(NG, D) = (sum_j p[g, j] V[j]) * inv_sum[g] for NG query heads, NG * C accumulators in registers.
 template <typename KV, int C, int NG>
 void decode_values(const float* __restrict p, int64_t n, const KV* __restrict v_base, const int64_t* __restrict off,
@@ -341,13 +356,9 @@ void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __re
   slot_offsets(table, block_size, block_stride, slot_stride, lo, len, off);
   constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV)) + (std::is_same_v<KV, int8_t> ? kInt8ScaleBytes : 0);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
-    // while these 16 keys are scored: the next 16 keys, and these 16 positions' values (for the pass below)
-    prefetch_rows(k_base, off + j0 + 16, std::min<int64_t>(16, n - j0 - 16), row_bytes);
-    prefetch_rows(v_base, off + j0, nk, row_bytes);
-    const __mmask16 valid = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
     const KV* rows[16];
-    for (int u = 0; u < 16; ++u) rows[u] = u < nk ? k_base + off[j0 + u] : zeros;
+    const int nk = key_chunk(k_base, v_base, off, j0, n, row_bytes, zeros, rows);
+    const __mmask16 valid = first_lanes(nk);
     if constexpr (std::is_same_v<KV, float>) {
       score16_f32<C>(q, rows, G, scale, valid, scores + j0, n, mxv);
     } else {
@@ -490,16 +501,11 @@ void decode_one_int8(const float* __restrict q, const int8_t* __restrict k_base,
   slot_offsets(table, block_size, block_stride, slot_stride, lo, len, off);
   constexpr int64_t row_bytes = D + kInt8ScaleBytes;
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
-    prefetch_rows(k_base, off + j0 + 16, std::min<int64_t>(16, n - j0 - 16), row_bytes);
-    prefetch_rows(v_base, off + j0, nk, row_bytes);
-    const __mmask16 valid = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
     const int8_t* rows[16];
+    const int nk = key_chunk(k_base, v_base, off, j0, n, row_bytes, zeros, rows);
+    const __mmask16 valid = first_lanes(nk);
     alignas(64) float ks[16];
-    for (int u = 0; u < 16; ++u) {
-      rows[u] = u < nk ? k_base + off[j0 + u] : zeros;
-      ks[u] = kv_scale(rows[u], D);
-    }
+    for (int u = 0; u < 16; ++u) ks[u] = kv_scale(rows[u], D);  // (zeros: scale 0)
     const __m512 kscale = _mm512_load_ps(ks);
     for (int64_t g = 0; g < G; ++g) {
       __m512i s[16];
@@ -526,7 +532,7 @@ void decode_one_int8(const float* __restrict q, const int8_t* __restrict k_base,
     float* pg = scores + g * n;
     __m512 m = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __mmask16 k = first_lanes(n - j);
       const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, pg + j), _mm512_maskz_loadu_ps(k, sv + j));
       _mm512_mask_storeu_ps(pg + j, k, x);
       m = _mm512_max_ps(m, x);
@@ -537,7 +543,7 @@ void decode_one_int8(const float* __restrict q, const int8_t* __restrict k_base,
     int16_t* p16 = reinterpret_cast<int16_t*>(pairs + g * np);
     p16[2 * np - 1] = 0;  // the pad of an odd n
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __mmask16 k = first_lanes(n - j);
       const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pg + j), to16));
       _mm256_mask_storeu_epi16(p16 + j, k, _mm512_cvtepi32_epi16(r));
     }
@@ -1286,7 +1292,6 @@ inline void store16m(bf16* p, __m512 v, __mmask16 m) {  // round to nearest even
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
-inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1); }
 
 // out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
 // 4 rows, 16-lane partial sums in registers, one hsum16 per tile.

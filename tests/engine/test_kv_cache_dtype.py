@@ -11,14 +11,13 @@ checked position by position instead.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.engine.lora_peft import random_prompts
+from tests.engine.mixed_workload import check_prefix_cache_grammar_and_preemption
 
 LOGIT_TOL = 0.1
 CASES = [("float32", "int8"), ("bfloat16", "int8"), ("float32", "bfloat16")]  # (compute dtype, cache dtype)
@@ -46,31 +45,11 @@ def test_a_finer_cache_decodes_what_the_reference_would(make_model, family, over
     assert same >= 0.97 * 16 * 64, (family, dtype, kv, same)
 
 
-@pytest.mark.parametrize(("dtype", "kv"), [("float32", "int8"), ("bfloat16", "int8")])
-def test_prefix_cache_grammar_and_preemption_on_an_int8_cache(make_model, dtype, kv) -> None:
+@pytest.mark.parametrize(("dtype", "kv"), [("float32", "int8"), ("bfloat16", "int8"), ("float32", "bfloat16")])
+def test_prefix_cache_grammar_and_preemption_on_a_finer_cache(make_model, dtype, kv) -> None:
     """Rounding is per slot and head, so a request's cache does not depend on its batch-mates: in fp32 every
     output equals the request run alone. bf16: the engine's invariants and valid constrained outputs."""
-    model_dir = make_model("mistral", head_dim=64)
-    kwargs = dict(dtype=dtype, kv_cache_dtype=kv, block_size=16, max_num_batched_tokens=256)
-    llm = LLM(model_dir, num_kv_blocks=20, **kwargs)
-    shared = random_prompts(1000, [48], seed=4)[0]
-    tails = random_prompts(1000, [5, 30, 12, 60, 7, 44, 20, 3], seed=5)
-    prompts = [shared + t for t in tails]
-    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    params = [greedy] * 6 + [SamplingParams(max_tokens=16, temperature=0.0, regex="(yes|no)-[0-9]{2}"),
-                             SamplingParams(max_tokens=16, temperature=0.0, choice=["alpha", "beta", "gamma"])]
-    llm.generate([{"prompt_token_ids": shared + [7]}], SamplingParams(max_tokens=1))  # caches the shared prefix
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_hit_tokens >= 48 and outs[0].num_cached_tokens >= 48
-    assert re.fullmatch(r"(yes|no)-[0-9]{2}", outs[6].outputs[0].text)
-    assert outs[7].outputs[0].text in ("alpha", "beta", "gamma")
-    llm.engine.scheduler.check_integrity()
-    if dtype == "float32":
-        alone = LLM(model_dir, num_kv_blocks=64, **kwargs)
-        for prompt, p, out in zip(prompts, params, outs, strict=True):
-            assert out.outputs[0].token_ids == alone.generate([{"prompt_token_ids": prompt}], p)[0].outputs[0].token_ids
+    check_prefix_cache_grammar_and_preemption(make_model("mistral", head_dim=64), dtype=dtype, kv_cache_dtype=kv)
 
 
 def test_the_cache_bytes_shrink_and_more_blocks_fit(make_model) -> None:

@@ -12,7 +12,6 @@ sums (measured up to 0.034 weight-only, 0.077 w8a8: a bf16 rounding can move an 
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from demo.checkpoint import FAMILIES
 from engine import LLM, SamplingParams
 from engine.config import CheckpointError, EngineConfig
 from tests.engine.lora_peft import ALL_PROJECTIONS, PeftReference, make_peft_adapter, random_prompts
+from tests.engine.mixed_workload import check_prefix_cache_grammar_and_preemption
 from tests.engine.quant_reference import (
     hf_with_weights,
     with_int8_inputs,
@@ -176,28 +176,7 @@ def test_adapter_rows_on_a_quantized_base_match_peft_on_the_dequantized_base(mak
 def test_prefix_cache_grammar_and_preemption_on_a_quantized_model(make_model, method, dtype) -> None:
     """fp32: every output equals the request run alone; bf16 (batch-dependent kernel choice): the engine's
     own invariants and valid constrained outputs."""
-    model_dir = make_model("llama")
-    kwargs = dict(dtype=dtype, block_size=16, max_num_batched_tokens=256, **METHODS[method])
-    llm = LLM(model_dir, num_kv_blocks=20, **kwargs)
-    shared = random_prompts(1000, [48], seed=4)[0]
-    tails = random_prompts(1000, [5, 30, 12, 60, 7, 44, 20, 3], seed=5)
-    prompts = [shared + t for t in tails]
-    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    params = [greedy] * 6 + [SamplingParams(max_tokens=16, temperature=0.0, regex="(yes|no)-[0-9]{2}"),
-                             SamplingParams(max_tokens=16, temperature=0.0, choice=["alpha", "beta", "gamma"])]
-    llm.generate([{"prompt_token_ids": shared + [7]}], SamplingParams(max_tokens=1))  # caches the shared prefix
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_hit_tokens >= 48 and all(o.num_cached_tokens >= 48 for o in outs[:1])
-    assert re.fullmatch(r"(yes|no)-[0-9]{2}", outs[6].outputs[0].text)
-    assert outs[7].outputs[0].text in ("alpha", "beta", "gamma")
-    llm.engine.scheduler.check_integrity()
-    if dtype == "float32":
-        alone = LLM(model_dir, num_kv_blocks=64, **kwargs)
-        for prompt, p, out in zip(prompts, params, outs, strict=True):
-            assert out.outputs[0].token_ids == alone.generate([{"prompt_token_ids": prompt}], p)[0].outputs[0].token_ids
+    check_prefix_cache_grammar_and_preemption(make_model("llama"), dtype=dtype, **METHODS[method])
 
 
 # ----- pre-quantized GPTQ checkpoints ---------------------------------------------------------------------

@@ -22,6 +22,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def ops():
+    """The native CPU ops (kernels/native_cpu.py). They must build on every machine the suite runs on (setup
+    installs g++ and ninja): a silent fall back to the torch path would leave the engine's CPU serving path
+    untested, so their absence fails the tests that take this fixture."""
+    from kernels import native_cpu
+
+    if not native_cpu.enabled():
+        pytest.skip(f"{native_cpu.NATIVE_ENV}=0")
+    loaded = native_cpu.ops()
+    assert loaded is not None, f"the native CPU ops did not build: {native_cpu.error()}"
+    return loaded
+
+
 @pytest.fixture
 def triton_device() -> torch.device:
     """Where Triton kernels run in this session: the CPU under the interpreter, else the GPU."""

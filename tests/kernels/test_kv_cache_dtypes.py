@@ -11,7 +11,6 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import native_cpu
 from kernels.attention import (
     KV_INT8_SCALE_BYTES,
     StepAttentionPlan,
@@ -27,15 +26,6 @@ from kernels.attention import (
 from kernels.fused import rope_store_kv
 
 CASES = [(torch.float32, torch.int8), (torch.bfloat16, torch.int8), (torch.float32, torch.bfloat16)]  # (q, cache)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if not native_cpu.enabled():
-        pytest.skip(f"{native_cpu.NATIVE_ENV}=0")
-    loaded = native_cpu.ops()
-    assert loaded is not None, f"the native CPU ops did not build: {native_cpu.error()}"
-    return loaded
 
 
 def test_int8_rows_round_to_half_a_step_of_their_scale():

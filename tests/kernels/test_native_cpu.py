@@ -15,15 +15,6 @@ from kernels.attention import StepAttentionPlan, paged_attention, paged_attentio
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, rotate_half_ref, silu_mul
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if not native_cpu.enabled():
-        pytest.skip(f"{native_cpu.NATIVE_ENV}=0")
-    loaded = native_cpu.ops()
-    assert loaded is not None, f"the native CPU ops did not build: {native_cpu.error()}"
-    return loaded
-
-
 def test_the_library_builds_and_is_named_for_this_source_and_cpu(ops):
     name = native_cpu.loaded_name()
     assert name is not None and name.startswith("loraplex_cpu_")
