@@ -417,8 +417,7 @@ template <int C, int NG>
 void decode_values_int8(const int32_t* __restrict pairs, int64_t n, const int8_t* __restrict v_base,
                         const int64_t* __restrict off, const float* unit, float* __restrict out) {
   constexpr int D = 16 * C, H = D / 32;  // int16 halves of 32 dims per row
-  const int64_t np = (n + 1) / 2;
-  const int64_t pstride = np;
+  const int64_t np = (n + 1) / 2;  // pairs per head
   __m512 f[NG][2 * H];
   __m512i a[NG][2 * H];
   for (int g = 0; g < NG; ++g)
@@ -438,7 +437,7 @@ void decode_values_int8(const int32_t* __restrict pairs, int64_t n, const int8_t
       x[2 * h + 1] = _mm512_unpackhi_epi16(r0, r1);
     }
     for (int g = 0; g < NG; ++g) {
-      const __m512i pg = _mm512_set1_epi32(pairs[g * pstride + jp]);
+      const __m512i pg = _mm512_set1_epi32(pairs[g * np + jp]);
       for (int c = 0; c < 2 * H; ++c) a[g][c] = _mm512_dpwssd_epi32(a[g][c], x[c], pg);
     }
     if ((jp & 127) == 127 || jp + 1 == np) {
@@ -601,28 +600,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const KV* vh_base = vp + h * kh;
       const int32_t* table = tables + s * table_stride;
 #if defined(__AVX512F__)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if constexpr (std::is_same_v<KV, int8_t>) {
-        if (D == 64 || D == 128) {
-          const int64_t n = len - lo;
-          scores.resize(static_cast<size_t>((G + 1) * n));
-          pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
-          offs.resize(static_cast<size_t>(n));
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
-          if (D == 64) {
-            decode_one_int8<4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
-                               pairs.data(), offs.data(), acc);
-          } else {
-            decode_one_int8<8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
-                               pairs.data(), offs.data(), acc);
-          }
-          Q* ob = op + b * Hq * D + h * G * D;
-          for (int64_t i = 0; i < G * D; ++i) from_f(acc[i], ob + i);
-          continue;
-        }
-      }
-#endif
       if (D == 64 || D == 128) {
         // bf16 dot products for the scores when q and the keys are both bf16 (q copied as it is)
         const bf16* qbf = nullptr;
@@ -630,17 +607,33 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           for (int64_t g = 0; g < G; ++g) std::memcpy(qh + g * D, qsrc + g * q.stride(1), D * sizeof(bf16));
           qbf = qh;
         }
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
-          if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);  // (no VNNI)
-        }
-        offs.resize(static_cast<size_t>(len - lo));
-        if (D == 64) {
-          decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
-                                   offs.data(), acc);
-        } else {
-          decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
-                                   offs.data(), acc);
+        const int64_t n = len - lo;
+        offs.resize(static_cast<size_t>(n));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<KV, int8_t>) {  // integer products (the kernel rounds q itself)
+          scores.resize(static_cast<size_t>((G + 1) * n));
+          pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
+          if (D == 64) {
+            decode_one_int8<4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                               pairs.data(), offs.data(), acc);
+          } else {
+            decode_one_int8<8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                               pairs.data(), offs.data(), acc);
+          }
+        } else
+#endif
+        {
+          if constexpr (std::is_same_v<KV, int8_t>)  // without VNNI: int8 rows widened, q rounded as they are
+            for (int64_t g = 0; g < G; ++g) round_like_int8_rows(qf + g * D, D);
+          if (D == 64) {
+            decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
+                                     scores.data(), offs.data(), acc);
+          } else {
+            decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
+                                     scores.data(), offs.data(), acc);
+          }
         }
       } else
 #endif
@@ -1017,7 +1010,8 @@ at::Tensor prefill_attention_finer(const at::Tensor& q, const at::Tensor& k_cach
     }
   }
   at::Tensor own = at::empty({nb}, table.options());
-  for (int64_t i = 0; i < nb; ++i) own.data_ptr<int32_t>()[i] = static_cast<int32_t>(i);
+  int32_t* ids = own.data_ptr<int32_t>();
+  for (int64_t i = 0; i < nb; ++i) ids[i] = static_cast<int32_t>(i);
   return prefill_attention(qr, k, v, own, seq_len, scale, window);
 }
 
