@@ -17,7 +17,10 @@ queries, or int8. An int8 cache row is one slot's head, head_dim int8 values the
 (KV_INT8_SCALE_BYTES, read as 4 bytes), so its last axis is head_dim + 4: the row means values * scale, with
 scale = absmax / 127 of the row it was rounded from (quantize_kv), as llama.cpp's q8_0 keeps its scale beside
 its block. Attention over an int8 cache scores with the queries rounded the same way (scoring_query); the
-native decode kernel also rounds its probabilities to 16 bits against their largest (1/65534 of it).
+native decode kernel also rounds its probabilities to 16 bits against their largest (1/65534 of it). Over a
+bf16 cache the queries are rounded to bf16 (scoring_query), and a decode row's probabilities too, normalized
+first, before they weigh the bf16 values (the native kernels take bf16 dot products of two keys at a time);
+prefill chunks keep float32 probabilities.
 """
 
 from __future__ import annotations
@@ -62,8 +65,14 @@ def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
 def scoring_query(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """The queries as attention over a cache in cache_dtype scores them: over int8 caches rounded per head the
     way the keys are (dequantize_kv(quantize_kv(q)), float32; llama.cpp rounds the query to its q8_0 keys'
-    type too, and the native kernel then multiplies int8 by int8), otherwise q itself."""
-    return dequantize_kv(quantize_kv(q)) if cache_dtype == torch.int8 else q
+    type too, and the native kernel then multiplies int8 by int8), over bf16 caches rounded to bf16 (in q's
+    dtype: llama.cpp rounds an F32 model's query to its f16 keys' type, and the native kernel takes bf16 dot
+    products), otherwise q itself."""
+    if cache_dtype == torch.int8:
+        return dequantize_kv(quantize_kv(q))
+    if cache_dtype == torch.bfloat16 and q.dtype != torch.bfloat16:
+        return q.to(torch.bfloat16).to(q.dtype)
+    return q
 
 
 def cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,8 +187,10 @@ def paged_attention_ref(
         scores = torch.bmm(qd, keys.transpose(1, 2)).float().view(num_kv_heads, b, group, length)
         scores = scores.mul_(scale).masked_fill_(plan.decode_masked[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads * b, group, length)  # (H_kv * B, G, L)
-        if values.dtype != torch.float32:
+        if values.dtype != torch.float32:  # the product in the cache's dtype
             probs = probs.to(values.dtype)
+        elif v_cache.dtype == torch.bfloat16:  # float32 q: bf16 values still weigh bf16 probabilities
+            probs = probs.to(torch.bfloat16).float()
         attn = torch.bmm(probs, values).view(num_kv_heads, b, group, head_dim)  # (H_kv, B, G, D)
         attn = attn.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)  # (B, H_q, D)
         if only_decode:

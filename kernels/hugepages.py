@@ -16,6 +16,7 @@ moves the projections and the lm_head; oneDNN's opaque packed weights cannot be 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 
@@ -58,6 +59,17 @@ class Arena:
         return copy
 
 
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor of `shape` in the next free bytes, its pages faulted in now (as torch.zeros does), not
+        on first use: a huge page's first touch zeroes 2 MB."""
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self._used + n > self._raw.numel():
+            raise ValueError("the arena is full")
+        t = self._raw[self._used : self._used + n].view(dtype).view(shape).zero_()
+        self._used += -(-n // ALIGN) * ALIGN
+        return t
+
+
 def make_arena(nbytes: int) -> Arena | None:
     """An Arena, or None (nothing allocated) when disabled or the OS refuses the region."""
     if not enabled() or nbytes <= 0:
@@ -65,5 +77,5 @@ def make_arena(nbytes: int) -> Arena | None:
     try:
         return Arena(nbytes)
     except (OSError, ValueError) as e:
-        log.info("weights stay in ordinary pages: %s", e)
+        log.info("no huge-page region (ordinary pages): %s", e)
         return None

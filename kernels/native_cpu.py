@@ -12,7 +12,9 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         Semantics: row b is sequence seq_ids[b]'s one query token, at position seq_lens[s] - 1; it
         attends keys max(0, len - window) .. len - 1 (all when window <= 0) read through block_tables[s]:
         out[b, h] = softmax_j(scale * q[b, h] . K[j, h // G]) @ V[j, h // G], fp32 accumulation, in
-        q's dtype. Caches (num_blocks, block_size, H_kv, D) with any block/slot/head strides.
+        q's dtype. Caches (num_blocks, block_size, H_kv, D) with any block/slot/head strides. Over a finer
+        cache, q as kernels.attention.scoring_query rounds it; over bf16 values the softmax is rounded
+        to bf16 before it weighs them (the torch reference's rounding).
     prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
         Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
         keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),

@@ -111,6 +111,16 @@ inline void softmax_numerators(float* __restrict scores, const float* mx, int64_
   }
 }
 
+// Over a bf16 cache the values weigh bf16 probabilities: each numerator normalized, then rounded to bf16 (the
+// torch reference's softmax(...).to(bf16)); scores then hold those p, and inv_sum ones.
+inline void round_probs_bf16(float* __restrict scores, int64_t G, int64_t n, float* inv_sum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    for (int64_t i = 0; i < n; ++i) sg[i] = static_cast<float>(bf16(sg[i] * inv_sum[g]));
+    inv_sum[g] = 1.f;
+  }
+}
+
 // int8 cache rows (kv_cache_dtype int8): a slot's head is D int8 values then their fp32 scale (absmax / 127),
 // D + 4 bytes in all; the row means q * scale. float32 and bfloat16 rows are the values themselves.
 constexpr int64_t kInt8ScaleBytes = 4;
@@ -195,6 +205,7 @@ void decode_one(const float* __restrict q,  // (G, D), scaled
   }
   float inv_sum[kMaxGroup];
   softmax_numerators(scores, mx, G, n, inv_sum);
+  if constexpr (std::is_same_v<KV, bf16>) round_probs_bf16(scores, G, n, inv_sum);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = lo; j < len; ++j) {
     const KV* v = v_base + table[j / block_size] * block_stride + (j % block_size) * slot_stride;
@@ -335,18 +346,76 @@ inline void score16_bf16(const bf16* __restrict qb, const bf16* const* rows, int
     mxv[g] = _mm512_mask_max_ps(mxv[g], valid, mxv[g], sc);
   }
 }
+
+// The probabilities of G heads (numerators scores (G, n) times inv_sum) rounded to bf16 as round_probs_bf16
+// does, laid out as G rows of ceil(n / 2) pairs (p_2i, p_2i+1) (a missing last one 0): bf16 p in order are
+// those pairs, the operand VDPBF16PS takes.
+inline void prob_pairs_bf16(const float* __restrict scores, int64_t G, int64_t n, const float* inv_sum,
+                            int32_t* __restrict pairs) {
+  const int64_t np = (n + 1) / 2;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* e = scores + g * n;
+    auto* pb = reinterpret_cast<uint16_t*>(pairs + g * np);
+    const __m512 s = _mm512_set1_ps(inv_sum[g]);
+    for (int64_t j = 0; j < 2 * np; j += 16) {  // lanes past n load 0, and round to bf16 0
+      const __mmask16 in = first_lanes(n - j), out = first_lanes(2 * np - j);
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, e + j), s));
+      _mm256_mask_storeu_epi16(pb + j, out, (__m256i)r);
+    }
+  }
+}
+
+// out(NG, D) = sum_j p[g, j] V[j] over bf16 value rows by VDPBF16PS, two keys per instruction: rows j and j + 1
+// interleaved 16 bits at a time (unpacklo / unpackhi), against the pair (p_j, p_j+1) of each head (pairs: NG
+// rows of ceil(n / 2)). Lanes of an interleaved vector hold the dims 8 l + {0..3} (unpacklo) or 8 l + {4..7}
+// (unpackhi) of its 32-dim half, l the 128-bit lane: put back at the store.
+template <int C, int NG>
+void decode_values_bf16(const int32_t* __restrict pairs, int64_t n, const bf16* __restrict v_base,
+                        const int64_t* __restrict off, float* __restrict out) {
+  constexpr int D = 16 * C, H = D / 32;  // zmm of 32 bf16 per row
+  const int64_t np = (n + 1) / 2;
+  __m512 a[NG][2 * H];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 2 * H; ++c) a[g][c] = _mm512_setzero_ps();
+  alignas(64) static const bf16 zeros[D] = {};
+  for (int64_t jp = 0; jp < np; ++jp) {
+    const bf16* v0 = v_base + off[2 * jp];
+    const bf16* v1 = 2 * jp + 1 < n ? v_base + off[2 * jp + 1] : zeros;
+    __m512i x[2 * H];
+    for (int h = 0; h < H; ++h) {
+      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * h), r1 = _mm512_loadu_si512(v1 + 32 * h);
+      x[2 * h] = _mm512_unpacklo_epi16(r0, r1);
+      x[2 * h + 1] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m512i pg = _mm512_set1_epi32(pairs[g * np + jp]);
+      for (int c = 0; c < 2 * H; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)x[c], (__m512bh)pg);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    alignas(64) float t[16];
+    for (int c = 0; c < 2 * H; ++c) {
+      _mm512_store_ps(t, a[g][c]);
+      const int64_t base = 32 * (c / 2) + 4 * (c % 2);
+      for (int k = 0; k < 16; ++k) out[g * D + base + 8 * (k / 4) + (k % 4)] = t[k];
+    }
+  }
+}
 #endif
 
 // decode_one for head_dim = 16 * C, in AVX-512 registers. Scores 16 keys at a time: each query head's 16
 // dot products are summed by one hsum16 tree into a vector of 16 scores (bf16 keys with bf16 queries by
 // bf16 dot products where the CPU has them, `qb`; otherwise widened once to fp32 and shared by the G
 // heads). Values: the query heads in chunks whose accumulators fit in registers (16 / C heads), each chunk
-// one pass over the values. q: (G, D) fp32, unscaled.
+// one pass over the values; bf16 values weigh bf16 probabilities (round_probs_bf16), by bf16 dot products of
+// two keys at a time where the CPU has them (pairs: G * ceil(n / 2) scratch). q: (G, D) fp32, unscaled (over
+// a bf16 cache, bf16 values: qb's).
 template <typename KV, int C>
 void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __restrict k_base,
                        const KV* __restrict v_base, int64_t block_stride, int64_t slot_stride,
                        const int32_t* __restrict table, int64_t block_size, int64_t lo, int64_t len, int64_t G,
-                       float scale, float* __restrict scores, int64_t* __restrict off, float* __restrict acc) {
+                       float scale, float* __restrict scores, int64_t* __restrict off, int32_t* __restrict pairs,
+                       float* __restrict acc) {
   constexpr int D = 16 * C;
   const int64_t n = len - lo;
   alignas(64) static const KV zeros[D] = {};
@@ -383,6 +452,26 @@ void decode_one_avx512(const float* __restrict q, const bf16* qb, const KV* __re
   for (int64_t g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(mxv[g]);
   softmax_numerators(scores, mx, G, n, inv_sum);
   constexpr int NG = 16 / C;  // query heads per pass over the values
+  if constexpr (std::is_same_v<KV, bf16>) {
+#if defined(__AVX512BF16__)
+    prob_pairs_bf16(scores, G, n, inv_sum, pairs);
+    const int64_t np = (n + 1) / 2;
+    for (int64_t g0 = 0; g0 < G; g0 += NG) {
+      const int32_t* pg = pairs + g0 * np;
+      float* out = acc + g0 * D;
+      switch (std::min<int64_t>(NG, G - g0)) {
+        case 1: decode_values_bf16<C, 1>(pg, n, v_base, off, out); break;
+        case 2: decode_values_bf16<C, 2>(pg, n, v_base, off, out); break;
+        case 3: if constexpr (NG >= 3) decode_values_bf16<C, 3>(pg, n, v_base, off, out); break;
+        default: if constexpr (NG >= 4) decode_values_bf16<C, 4>(pg, n, v_base, off, out); break;
+      }
+    }
+    return;
+#else
+    (void)pairs;
+    round_probs_bf16(scores, G, n, inv_sum);
+#endif
+  }
   for (int64_t g0 = 0; g0 < G; g0 += NG) {
     const float* p = scores + g0 * n;
     float* out = acc + g0 * D;
@@ -581,7 +670,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int32_t> pairs;  // int8 caches: the probabilities as int16 pairs
+    std::vector<int32_t> pairs;  // the probabilities in pairs: int16 (int8 caches), bf16 (bf16 caches)
     std::vector<int64_t> offs;  // the cache offsets of a sequence's positions
     float qf[kMaxGroup * kMaxHeadDim];
     alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];
@@ -601,14 +690,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const int32_t* table = tables + s * table_stride;
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {
-        // bf16 dot products for the scores when q and the keys are both bf16 (q copied as it is)
+        // over a bf16 cache, q in bf16 (a bf16 q as it is, an fp32 one rounded): the scores' dot products
         const bf16* qbf = nullptr;
-        if constexpr (std::is_same_v<Q, bf16> && std::is_same_v<KV, bf16>) {
-          for (int64_t g = 0; g < G; ++g) std::memcpy(qh + g * D, qsrc + g * q.stride(1), D * sizeof(bf16));
+        if constexpr (std::is_same_v<KV, bf16>) {
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) from_f(to_f(qsrc[g * q.stride(1) + d]), qh + g * D + d);
           qbf = qh;
         }
         for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = qbf ? to_f(qbf[g * D + d]) : to_f(qsrc[g * q.stride(1) + d]);
         const int64_t n = len - lo;
         offs.resize(static_cast<size_t>(n));
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -627,12 +717,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         {
           if constexpr (std::is_same_v<KV, int8_t>)  // without VNNI: int8 rows widened, q rounded as they are
             for (int64_t g = 0; g < G; ++g) round_like_int8_rows(qf + g * D, D);
+          if constexpr (std::is_same_v<KV, bf16>) pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
           if (D == 64) {
             decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
-                                     scores.data(), offs.data(), acc);
+                                     scores.data(), offs.data(), pairs.data(), acc);
           } else {
             decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
-                                     scores.data(), offs.data(), acc);
+                                     scores.data(), offs.data(), pairs.data(), acc);
           }
         }
       } else
@@ -641,6 +732,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t g = 0; g < G; ++g) {
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
           if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);
+          if constexpr (std::is_same_v<KV, bf16>)  // q in bf16, as the AVX-512 kernel scores it
+            for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(bf16(qf[g * D + d]));
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= sc;
         }
         decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
@@ -1001,7 +1094,9 @@ at::Tensor prefill_attention_finer(const at::Tensor& q, const at::Tensor& k_cach
     k = widened_blocks<bf16>(k_cache, table, nb, D, qt);
     v = widened_blocks<bf16>(v_cache, table, nb, D, qt);
   }
-  if (k_cache.scalar_type() == at::kChar) {
+  if (k_cache.scalar_type() == at::kBFloat16) {  // float32 q over a bf16 cache: scored in bf16, as at decode
+    qr = q.to(at::kBFloat16).to(at::kFloat);
+  } else if (k_cache.scalar_type() == at::kChar) {
     qr = at::empty({q.size(0), q.size(1), D}, q.options());
     if (qt == at::kFloat) {
       round_queries_like_int8(q.data_ptr<float>(), q.stride(0), q.size(0), q.size(1), D, qr.data_ptr<float>());

@@ -64,7 +64,7 @@ def test_the_cache_bytes_shrink_and_more_blocks_fit(make_model) -> None:
         block_bytes = 2 * mc.num_layers * 16 * mc.num_kv_heads * row_bytes[kv]
         assert runner.num_blocks == int(0.01 * (1 << 30)) // block_bytes
         assert engine.stats().kv_cache_bytes == runner.kv_cache_bytes == (runner.num_blocks + 1) * block_bytes
-        assert sum(c.untyped_storage().nbytes() for kc in runner.kv_caches for c in kc) == runner.kv_cache_bytes
+        assert sum(c.numel() * c.element_size() for kc in runner.kv_caches for c in kc) == runner.kv_cache_bytes
     assert runs["auto"].stats().kv_cache_dtype == "float32"
 
 

@@ -88,8 +88,10 @@ def make_batch(
     )
 
 
-def naive_attention(batch: PagedBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Dense float64 attention, one sequence and one query token at a time, keys read position by position."""
+def naive_attention(batch: PagedBatch, scale: float, sliding_window: int | None,
+                    decode_probs: torch.dtype | None = None) -> torch.Tensor:
+    """Dense float64 attention, one sequence and one query token at a time, keys read position by position;
+    a decode row's (one query token's) probabilities rounded to `decode_probs` first when given."""
     q, k_cache, v_cache = batch.q.double(), batch.k_cache.double(), batch.v_cache.double()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -106,6 +108,8 @@ def naive_attention(batch: PagedBatch, scale: float, sliding_window: int | None)
             for h in range(q.shape[1]):
                 k = keys[lo : pos + 1, h // group]  # (n_keys, D)
                 weights = torch.softmax(scale * (k @ q[starts[s] + i, h]), dim=0)
+                if decode_probs is not None and query_len == 1:
+                    weights = weights.to(decode_probs).double()
                 out[starts[s] + i, h] = weights @ values[lo : pos + 1, h // group]
     return out
 
@@ -117,7 +121,7 @@ def paged_batch() -> Callable[..., PagedBatch]:
 
 
 @pytest.fixture
-def dense_attention() -> Callable[[PagedBatch, float, int | None], torch.Tensor]:
+def dense_attention() -> Callable[..., torch.Tensor]:
     """The naive dense float64 attention the reference and the kernels are checked against."""
     return naive_attention
 

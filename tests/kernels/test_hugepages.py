@@ -22,6 +22,8 @@ def test_the_arena_holds_exact_copies_on_cache_lines():
         assert c.data_ptr() % hugepages.ALIGN == 0 and c.data_ptr() != t.data_ptr()
     with pytest.raises(ValueError, match="full"):
         arena.put(torch.zeros(hugepages.HUGE_PAGE))
+    with pytest.raises(ValueError, match="full"):
+        arena.zeros((hugepages.HUGE_PAGE,), torch.uint8)
     del arena
     assert torch.equal(copies[0], tensors[0])  # a copy keeps the region alive
 
@@ -51,4 +53,27 @@ def test_the_model_streams_its_projections_from_the_arena(llama_dir, monkeypatch
     kept_panels = [layer.qkv.packed for layer in kept.engine.runner.model.layers
                    if getattr(layer.qkv, "layout", None) == "panels"]
     assert len({p.untyped_storage().data_ptr() for p in kept_panels}) == len(kept_panels)  # left in place
+    assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == want
+
+
+def test_the_kv_cache_lies_in_one_region_of_zeros_that_do_not_overlap(llama_dir, monkeypatch):
+    """Every layer's keys and values are views of one huge-page region (the decode step streams them), start
+    as zeros, and do not overlap; switched off, each is its own tensor. Outputs are the same either way."""
+    from engine import LLM, SamplingParams
+
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here")
+    prompts = [{"prompt_token_ids": list(range(3, 60))}]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    llm = LLM(llama_dir, num_kv_blocks=16)
+    caches = [c for kc in llm.engine.runner.kv_caches for c in kc]
+    assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
+    assert all(not c.any() for c in caches)
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in caches)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv(hugepages.HUGEPAGES_ENV, "0")
+    kept = LLM(llama_dir, num_kv_blocks=16)
+    kept_caches = [c for kc in kept.engine.runner.kv_caches for c in kc]
+    assert len({c.untyped_storage().data_ptr() for c in kept_caches}) == len(kept_caches)
     assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == want

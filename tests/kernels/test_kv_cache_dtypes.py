@@ -1,8 +1,9 @@
 """KV caches finer than the compute dtype (EngineConfig.kv_cache_dtype): int8 rows with their scales, and
 bf16 caches under float32 queries. The native ops write them exactly as the torch twins do. What attention
 computes is the naive float64 reference over the dequantized cache, with the queries rounded like the keys
-over an int8 cache (kernels.attention.scoring_query); the native int8 kernel also rounds its probabilities to
-16 bits (measured: 5e-5 off the reference in fp32)."""
+over an int8 cache and to bf16 over a bf16 one (kernels.attention.scoring_query); a decode row over bf16 values
+weighs bf16 probabilities (the reference rounds them the same way), and the native int8 kernel rounds its
+probabilities to 16 bits (measured: 5e-5 off the reference in fp32)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ def _finer(batch, cache_dtype, head_major=False):
     return k, v, meant
 
 
+def _probs(cache_dtype):
+    """What a decode row's probabilities are rounded to before they weigh the values (None: kept)."""
+    return torch.bfloat16 if cache_dtype == torch.bfloat16 else None
+
+
 def _tolerance(q_dtype, cache_dtype):
     if q_dtype == torch.bfloat16:
         return 2e-2  # the output's own rounding (and bf16 q rounded again)
@@ -78,7 +84,8 @@ def test_decode_attention_over_a_finer_cache_matches_the_naive_reference(
                                window or 0)
     assert out.dtype == q_dtype and out.shape == batch.q.shape
     tol = _tolerance(q_dtype, cache_dtype)
-    torch.testing.assert_close(out.double(), dense_attention(meant, scale, window), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), dense_attention(meant, scale, window, _probs(cache_dtype)), atol=tol,
+                               rtol=tol)
 
 
 @pytest.mark.parametrize(("q_dtype", "cache_dtype"), CASES)
@@ -92,7 +99,7 @@ def test_mixed_batches_over_a_finer_cache_equal_the_reference(ops, paged_batch, 
     plan = StepAttentionPlan.build(batch.block_tables, batch.query_start_loc, batch.seq_lens, 4, 6)
     rest = (batch.block_tables, batch.query_start_loc, batch.seq_lens, 0.2, 6, plan)
     got, ref = paged_attention(batch.q, k, v, *rest), paged_attention_ref(batch.q, k, v, *rest)
-    want = dense_attention(meant, 0.2, 6)
+    want = dense_attention(meant, 0.2, 6, _probs(cache_dtype))
     tol = _tolerance(q_dtype, cache_dtype)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(ref.double(), want, atol=tol, rtol=tol)
