@@ -14,7 +14,9 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         out[b, h] = softmax_j(scale * q[b, h] . K[j, h // G]) @ V[j, h // G], fp32 accumulation, in
         q's dtype. Caches (num_blocks, block_size, H_kv, D) with any block/slot/head strides. Over a finer
         cache, q as kernels.attention.scoring_query rounds it; over bf16 values the softmax is rounded
-        to bf16 before it weighs them (the torch reference's rounding).
+        to bf16 before it weighs them (the torch reference's rounding). Work goes head by head, and within
+        a head the rows whose sequences start in the same block (a shared cached prefix) one after the
+        other, so their shared keys and values are read from memory once and then from cache.
     prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
         Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
         keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),

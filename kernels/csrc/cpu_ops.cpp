@@ -47,6 +47,7 @@
 #endif
 
 #include <algorithm>
+#include <numeric>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -668,6 +669,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* ids = seq_ids.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float sc = static_cast<float>(scale);
+  // Work items in head-major order, and within a head the rows whose sequences start in the same block next to
+  // each other: sequences sharing a cached prefix share its blocks from the first one on (the radix cache), so
+  // the second and later reads of those keys and values come from L2 instead of memory (the order changes no
+  // result: every item is computed on its own)
+  std::vector<int64_t> rows(static_cast<size_t>(B));
+  std::iota(rows.begin(), rows.end(), 0);
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
+    return tables[ids[a] * table_stride] < tables[ids[c] * table_stride];
+  });
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int32_t> pairs;  // the probabilities in pairs: int16 (int8 caches), bf16 (bf16 caches)
@@ -676,7 +686,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];
     float acc[kMaxGroup * kMaxHeadDim];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv, s = ids[b];
+      const int64_t b = rows[item % B], h = item / B, s = ids[b];
       const int64_t len = lens[s];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       if (len <= lo) {  // nothing visible (not reachable from the engine): zeros, not NaN

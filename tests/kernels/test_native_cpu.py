@@ -63,6 +63,23 @@ def test_decode_attention_reads_the_sequences_it_is_given(ops, paged_batch, dens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_shared_prefix_blocks_in_any_row_order(ops, paged_batch, dense_attention, dtype):
+    """Rows whose sequences share a cached prefix (their leading blocks) are computed next to each other
+    (the kernel's work order): each row's output still lands in its own place, whatever the rows' order."""
+    lens = [45, 40, 33, 47, 36, 48, 8]  # two prefix groups of 2 blocks, interleaved, and a row on its own
+    batch = paged_batch([1] * len(lens), lens, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
+                        seed=11)
+    for row in range(2, 6):  # rows 0, 2, 4 share row 0's first two blocks; rows 1, 3, 5 row 1's
+        batch.block_tables[row, :2] = batch.block_tables[row % 2, :2]
+    ids = torch.tensor([5, 0, 6, 3, 1, 4, 2], dtype=torch.int64)
+    out = ops.decode_attention(batch.q[ids], batch.k_cache, batch.v_cache, batch.block_tables, ids, batch.seq_lens,
+                               0.125, 0)
+    want = dense_attention(batch, 0.125, None)[ids]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_on_mixed_batches_equals_the_reference(ops, paged_batch, dtype):
     batch = paged_batch([1, 7, 1, 12, 3, 1], [9, 7, 20, 33, 5, 1], block_size=4, num_kv_heads=2, group=2,
                         head_dim=64, dtype=dtype, seed=1)
