@@ -47,13 +47,13 @@
 #endif
 
 #include <algorithm>
-#include <numeric>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
