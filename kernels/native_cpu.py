@@ -36,6 +36,13 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds
         included: one Python call per layer instead of nine to thirteen.
 
+Threads: the GEMMs (panel groups) and both attentions (row and head items) start from the contiguous shares
+at::parallel_for would give each of torch's threads, and a thread done with its share takes items from the
+far end of another's (parallel_stealing in the source). A thread that the OS deschedules mid-step (the
+gateway or the HTTP client on its core, a neighbouring VM) then delays only the item it holds; with a static
+split the other thread would wait out its whole share at the region's end. Every item is computed the same
+way by whichever thread takes it, so results do not depend on the thread count or on who took what.
+
 Built with the host's compiler flags (`-march=native`) into LORAPLEX_NATIVE_DIR (default
 ~/.cache/loraplex/native), under a name that hashes the source, the flags, torch's version and the CPU's
 feature flags: a machine with another CPU, or a changed source, builds its own copy (~10 s with g++ and

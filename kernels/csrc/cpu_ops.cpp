@@ -53,8 +53,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -70,6 +73,79 @@ inline float to_f(bf16 x) {
 }
 inline void from_f(float x, float* out) { *out = x; }
 inline void from_f(float x, bf16* out) { *out = bf16(x); }  // round to nearest even, as torch's .to()
+
+// ---- work split with stealing -----------------------------------------------------------------------------
+// Items [0, n) split across the threads in contiguous shares as at::parallel_for splits them, each share
+// taken from its front by its owner, in order; a thread done with its own share takes items from the back of
+// the others'. A thread the OS deschedules (another process on its core: the gateway, the HTTP client, a
+// neighbouring VM) then holds up the item in hand, not the rest of its share: with a static split the other
+// thread waits at the region's end for all of it (a 2 ms / 25 ms busy loop on a 2-core machine slowed a
+// statically split decode step ~15 %). fn(item, next): `next` the item the owner takes after `item` unless
+// a thief gets it first (for prefetching; -1 for a stolen item or the share's last).
+class StealRanges {
+ public:
+  StealRanges(int64_t n, int64_t parts) : parts_(parts), r_(new std::atomic<uint64_t>[static_cast<size_t>(parts)]) {
+    for (int64_t t = 0; t < parts; ++t) r_[t].store(pack(n * t / parts, n * (t + 1) / parts), std::memory_order_relaxed);
+  }
+  // the front item of share t and the one after it (-1: none), or {-1, -1} once the share is empty
+  std::pair<int64_t, int64_t> take_front(int64_t t) {
+    uint64_t cur = r_[t].load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t b = static_cast<uint32_t>(cur >> 32), e = static_cast<uint32_t>(cur);
+      if (b >= e) return {-1, -1};
+      if (r_[t].compare_exchange_weak(cur, pack(b + 1, e), std::memory_order_relaxed))
+        return {b, b + 1 < e ? static_cast<int64_t>(b) + 1 : -1};
+    }
+  }
+  int64_t take_back(int64_t t) {  // the back item of share t, or -1
+    uint64_t cur = r_[t].load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t b = static_cast<uint32_t>(cur >> 32), e = static_cast<uint32_t>(cur);
+      if (b >= e) return -1;
+      if (r_[t].compare_exchange_weak(cur, pack(b, e - 1), std::memory_order_relaxed)) return e - 1;
+    }
+  }
+  int64_t parts() const { return parts_; }
+
+ private:
+  static uint64_t pack(int64_t b, int64_t e) { return (static_cast<uint64_t>(b) << 32) | static_cast<uint64_t>(e); }
+  int64_t parts_;
+  std::unique_ptr<std::atomic<uint64_t>[]> r_;
+};
+
+struct NoScratch {};
+
+// fn(item, next), or fn(scratch, item, next) with one Scratch per thread (buffers an item reuses)
+template <class Scratch = NoScratch, class F>
+void parallel_stealing(int64_t n, const F& fn) {
+  if (n <= 0) return;
+  TORCH_CHECK(n < (int64_t{1} << 31), "parallel_stealing: too many items");
+  auto call = [&fn](Scratch& scratch, int64_t i, int64_t next) {
+    if constexpr (std::is_invocable_v<const F&, Scratch&, int64_t, int64_t>) {
+      fn(scratch, i, next);
+    } else {
+      (void)scratch;
+      fn(i, next);
+    }
+  };
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
+  if (parts <= 1 || at::in_parallel_region()) {
+    Scratch scratch;
+    for (int64_t i = 0; i < n; ++i) call(scratch, i, i + 1 < n ? i + 1 : -1);
+    return;
+  }
+  StealRanges ranges(n, parts);
+  // one index per thread (a thread given several runs each share in turn: every item is still taken once)
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t t = begin; t < end; ++t) {
+      for (auto [i, next] = ranges.take_front(t); i >= 0; std::tie(i, next) = ranges.take_front(t)) call(scratch, i, next);
+      for (int64_t o = 1; o < parts; ++o)
+        for (int64_t i = ranges.take_back((t + o) % parts); i >= 0; i = ranges.take_back((t + o) % parts))
+          call(scratch, i, -1);
+    }
+  });
+}
 
 // exp(x) as 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], a degree-6 Taylor polynomial for 2^f
 // (within fp32 softmax rounding: the attention tests hold fp32 to 1e-5 of a float64 reference), x clamped to [-87, 88] (so exp(-inf) = ~1e-38, not 0); written so that `omp simd`
@@ -672,85 +748,87 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   // Work items in head-major order, and within a head the rows whose sequences start in the same block next to
   // each other: sequences sharing a cached prefix share its blocks from the first one on (the radix cache), so
   // the second and later reads of those keys and values come from L2 instead of memory (the order changes no
-  // result: every item is computed on its own)
+  // result: every item is computed on its own). Each thread walks its share in that order; a stolen item
+  // comes from a share's far end, so it seldom splits a prefix group.
   std::vector<int64_t> rows(static_cast<size_t>(B));
   std::iota(rows.begin(), rows.end(), 0);
   std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
     return tables[ids[a] * table_stride] < tables[ids[c] * table_stride];
   });
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  struct Scratch {
     std::vector<float> scores;
     std::vector<int32_t> pairs;  // the probabilities in pairs: int16 (int8 caches), bf16 (bf16 caches)
     std::vector<int64_t> offs;  // the cache offsets of a sequence's positions
+  };
+  parallel_stealing<Scratch>(B * Hkv, [&](Scratch& scratch, int64_t item, int64_t) {
+    auto& [scores, pairs, offs] = scratch;
     float qf[kMaxGroup * kMaxHeadDim];
     alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];
     float acc[kMaxGroup * kMaxHeadDim];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = rows[item % B], h = item / B, s = ids[b];
-      const int64_t len = lens[s];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      if (len <= lo) {  // nothing visible (not reachable from the engine): zeros, not NaN
-        for (int64_t i = 0; i < G * D; ++i) from_f(0.f, op + b * Hq * D + h * G * D + i);
-        continue;
-      }
-      scores.resize(static_cast<size_t>(G * (len - lo)));
-      const Q* qsrc = qp + b * q.stride(0) + h * G * q.stride(1);
-      const KV* kh_base = kp + h * kh;
-      const KV* vh_base = vp + h * kh;
-      const int32_t* table = tables + s * table_stride;
+    const int64_t b = rows[item % B], h = item / B, s = ids[b];
+    const int64_t len = lens[s];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    if (len <= lo) {  // nothing visible (not reachable from the engine): zeros, not NaN
+      for (int64_t i = 0; i < G * D; ++i) from_f(0.f, op + b * Hq * D + h * G * D + i);
+      return;
+    }
+    scores.resize(static_cast<size_t>(G * (len - lo)));
+    const Q* qsrc = qp + b * q.stride(0) + h * G * q.stride(1);
+    const KV* kh_base = kp + h * kh;
+    const KV* vh_base = vp + h * kh;
+    const int32_t* table = tables + s * table_stride;
 #if defined(__AVX512F__)
-      if (D == 64 || D == 128) {
-        // over a bf16 cache, q in bf16 (a bf16 q as it is, an fp32 one rounded): the scores' dot products
-        const bf16* qbf = nullptr;
-        if constexpr (std::is_same_v<KV, bf16>) {
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d) from_f(to_f(qsrc[g * q.stride(1) + d]), qh + g * D + d);
-          qbf = qh;
-        }
+    if (D == 64 || D == 128) {
+      // over a bf16 cache, q in bf16 (a bf16 q as it is, an fp32 one rounded): the scores' dot products
+      const bf16* qbf = nullptr;
+      if constexpr (std::is_same_v<KV, bf16>) {
         for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = qbf ? to_f(qbf[g * D + d]) : to_f(qsrc[g * q.stride(1) + d]);
-        const int64_t n = len - lo;
-        offs.resize(static_cast<size_t>(n));
+          for (int64_t d = 0; d < D; ++d) from_f(to_f(qsrc[g * q.stride(1) + d]), qh + g * D + d);
+        qbf = qh;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = qbf ? to_f(qbf[g * D + d]) : to_f(qsrc[g * q.stride(1) + d]);
+      const int64_t n = len - lo;
+      offs.resize(static_cast<size_t>(n));
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        if constexpr (std::is_same_v<KV, int8_t>) {  // integer products (the kernel rounds q itself)
-          scores.resize(static_cast<size_t>((G + 1) * n));
-          pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
-          if (D == 64) {
-            decode_one_int8<4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
-                               pairs.data(), offs.data(), acc);
-          } else {
-            decode_one_int8<8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
-                               pairs.data(), offs.data(), acc);
-          }
-        } else
-#endif
-        {
-          if constexpr (std::is_same_v<KV, int8_t>)  // without VNNI: int8 rows widened, q rounded as they are
-            for (int64_t g = 0; g < G; ++g) round_like_int8_rows(qf + g * D, D);
-          if constexpr (std::is_same_v<KV, bf16>) pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
-          if (D == 64) {
-            decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
-                                     scores.data(), offs.data(), pairs.data(), acc);
-          } else {
-            decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
-                                     scores.data(), offs.data(), pairs.data(), acc);
-          }
+      if constexpr (std::is_same_v<KV, int8_t>) {  // integer products (the kernel rounds q itself)
+        scores.resize(static_cast<size_t>((G + 1) * n));
+        pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
+        if (D == 64) {
+          decode_one_int8<4>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                             pairs.data(), offs.data(), acc);
+        } else {
+          decode_one_int8<8>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc, scores.data(),
+                             pairs.data(), offs.data(), acc);
         }
       } else
 #endif
       {
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
-          if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);
-          if constexpr (std::is_same_v<KV, bf16>)  // q in bf16, as the AVX-512 kernel scores it
-            for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(bf16(qf[g * D + d]));
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= sc;
+        if constexpr (std::is_same_v<KV, int8_t>)  // without VNNI: int8 rows widened, q rounded as they are
+          for (int64_t g = 0; g < G; ++g) round_like_int8_rows(qf + g * D, D);
+        if constexpr (std::is_same_v<KV, bf16>) pairs.resize(static_cast<size_t>(G * ((n + 1) / 2)));
+        if (D == 64) {
+          decode_one_avx512<KV, 4>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
+                                   scores.data(), offs.data(), pairs.data(), acc);
+        } else {
+          decode_one_avx512<KV, 8>(qf, qbf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, sc,
+                                   scores.data(), offs.data(), pairs.data(), acc);
         }
-        decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
       }
-      Q* ob = op + b * Hq * D + h * G * D;
-      for (int64_t i = 0; i < G * D; ++i) from_f(acc[i], ob + i);
+    } else
+#endif
+    {
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
+        if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);
+        if constexpr (std::is_same_v<KV, bf16>)  // q in bf16, as the AVX-512 kernel scores it
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(bf16(qf[g * D + d]));
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= sc;
+      }
+      decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
     }
+    Q* ob = op + b * Hq * D + h * G * D;
+    for (int64_t i = 0; i < G * D; ++i) from_f(acc[i], ob + i);
   });
 }
 
@@ -1018,20 +1096,18 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int32_t* tp = table.data_ptr<int32_t>();
   const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, Hkv * items_per_head, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      // causal rows cost more the later they are: alternate early and late row blocks, so the contiguous
-      // ranges parallel_for hands each thread hold about the same work
-      const int64_t h = item % Hkv, t = item / Hkv;
-      const int64_t blk = t % 2 == 0 ? t / 2 : items_per_head - 1 - t / 2;
-      const int64_t i0 = blk * kPrefillRows, i1 = std::min<int64_t>(n, i0 + kPrefillRows);
-      if (D == 64) {
-        prefill_item<Q, KV, 4>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
-                               start, i0, i1, h, G, sc, window);
-      } else {
-        prefill_item<Q, KV, 8>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
-                               start, i0, i1, h, G, sc, window);
-      }
+  parallel_stealing(Hkv * items_per_head, [&](int64_t item, int64_t) {
+    // causal rows cost more the later they are: alternate early and late row blocks, so the contiguous
+    // shares each thread starts with hold about the same work
+    const int64_t h = item % Hkv, t = item / Hkv;
+    const int64_t blk = t % 2 == 0 ? t / 2 : items_per_head - 1 - t / 2;
+    const int64_t i0 = blk * kPrefillRows, i1 = std::min<int64_t>(n, i0 + kPrefillRows);
+    if (D == 64) {
+      prefill_item<Q, KV, 4>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
+                             start, i0, i1, h, G, sc, window);
+    } else {
+      prefill_item<Q, KV, 8>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
+                             start, i0, i1, h, G, sc, window);
     }
   });
 }
@@ -1664,8 +1740,9 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const
 
 // The next panel group's bytes, fetched into L2 a few lines per k step while the tiles of this group
 // compute: at 7+ rows a bf16 group's first tile would otherwise wait on memory (its weights arrive slower
-// than it uses them) while the later tiles find them in cache. (fp32 at those sizes is bound by its FMAs:
-// no gain there, measured.)
+// than it uses them) while the later tiles find them in cache. fp32 gains less (twice the FMAs per byte):
+// the bench model's 120 projections at 32 rows, from memory, 2 threads, ~26 to ~23 ms (medians of 8
+// alternating runs on a noisy 2-core VM).
 struct NoPrefetch {  // one tile of rows: nothing to fetch ahead (the tile's loop keeps no check)
   inline void step() {}
 };
@@ -2009,35 +2086,38 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n
     return out;
   }
 #endif
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t panel_bytes = K2 * (i8 ? 32 : 64), tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t groups = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
+  struct Scratch {
     std::vector<uint16_t> widened;
-    const int64_t panel_bytes = K2 * (i8 ? 32 : 64), tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
-    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
-      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
-      // the next group of this thread's panels, while several tiles compute this one (with one tile the
-      // hardware prefetcher streams the weights better alone: measured)
-      if (tiles == 1) {
-        NoPrefetch none;
-        if (i8) {
-          bf16_rows<true>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
-        } else {
-          bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
-        }
-        continue;
-      }
-      const int64_t next = std::min<int64_t>(kPanelsPerTile, end - p0 - nr);
-      Prefetcher pf(static_cast<const char*>(wp) + (p0 + nr) * panel_bytes, next * panel_bytes, tiles * K2);
-      if (!i8) {
-        bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, pf);
+  };
+  parallel_stealing<Scratch>(groups, [&](Scratch& scratch, int64_t g, int64_t next) {
+    const int64_t p0 = g * kPanelsPerTile;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
+    // the next group of this thread's panels, while several tiles compute this one (with one tile the
+    // hardware prefetcher streams the weights better alone: measured)
+    if (tiles == 1) {
+      NoPrefetch none;
+      if (i8) {
+        bf16_rows<true>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
       } else {
-        widened.resize(static_cast<size_t>(nr * K2 * 32));
-        const int8_t* src = static_cast<const int8_t*>(wp) + p0 * K2 * 32;
-        for (int64_t k2 = 0; k2 < nr * K2; ++k2)
-          _mm512_storeu_si512(widened.data() + k2 * 32, panel_pairs<true>(src, k2));
-        // the buffer holds panels p0 .. p0 + nr - 1 as panels 0 .. nr - 1: shift the output and scales
-        bf16_rows<false>(M, nr, xp, xs, widened.data(), K2, 0, n - p0 * 16, op + p0 * 16, n,
-                         scale ? scale + p0 * 16 : nullptr, bp ? bp + p0 * 16 : nullptr, pf);
+        bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
       }
+      return;
+    }
+    const int64_t pn = next < 0 ? panels : next * kPanelsPerTile, next_nr = std::min<int64_t>(kPanelsPerTile, panels - pn);
+    Prefetcher pf(static_cast<const char*>(wp) + pn * panel_bytes, next_nr * panel_bytes, tiles * K2);
+    if (!i8) {
+      bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, pf);
+    } else {
+      std::vector<uint16_t>& widened = scratch.widened;
+      widened.resize(static_cast<size_t>(nr * K2 * 32));
+      const int8_t* src = static_cast<const int8_t*>(wp) + p0 * K2 * 32;
+      for (int64_t k2 = 0; k2 < nr * K2; ++k2)
+        _mm512_storeu_si512(widened.data() + k2 * 32, panel_pairs<true>(src, k2));
+      // the buffer holds panels p0 .. p0 + nr - 1 as panels 0 .. nr - 1: shift the output and scales
+      bf16_rows<false>(M, nr, xp, xs, widened.data(), K2, 0, n - p0 * 16, op + p0 * 16, n,
+                       scale ? scale + p0 * 16 : nullptr, bp ? bp + p0 * 16 : nullptr, pf);
     }
   });
   return out;
@@ -2336,20 +2416,18 @@ void w8a8_linear_avx2(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8
   RowsI8 rows;
   round_rows_i8_avx2(xp, xs, M, K, rows);
   const int64_t K4 = K / 4;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = wp + p * K4 * 64;
-      for (int64_t m = 0; m < M; m += kRowsPerTileAvx2) {
-        const int64_t mr = std::min<int64_t>(kRowsPerTileAvx2, M - m);
-        const int8_t* xq = rows.q.data() + m * K;
-        const float* sx = rows.scale.data() + m;
-        T* orow = op + m * n;
-        switch (mr) {
-          case 4: w8a8_tile_avx2<4, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
-          case 3: w8a8_tile_avx2<3, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
-          case 2: w8a8_tile_avx2<2, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
-          default: w8a8_tile_avx2<1, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
-        }
+  parallel_stealing(panels, [&](int64_t p, int64_t) {
+    const uint8_t* panel = wp + p * K4 * 64;
+    for (int64_t m = 0; m < M; m += kRowsPerTileAvx2) {
+      const int64_t mr = std::min<int64_t>(kRowsPerTileAvx2, M - m);
+      const int8_t* xq = rows.q.data() + m * K;
+      const float* sx = rows.scale.data() + m;
+      T* orow = op + m * n;
+      switch (mr) {
+        case 4: w8a8_tile_avx2<4, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+        case 3: w8a8_tile_avx2<3, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+        case 2: w8a8_tile_avx2<2, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
+        default: w8a8_tile_avx2<1, T>(xq, K, sx, panel, K4, p * 16, n, orow, n, scale, bias); break;
       }
     }
   });
@@ -2410,18 +2488,17 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
 #endif
   const int64_t K4 = K / 4, panels = w.size(0), panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
-      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
-      if (tiles == 1) {
-        NoPrefetch none;
-        w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, none);
-        continue;
-      }
-      const int64_t next = std::min<int64_t>(kPanelsPerTile, end - p0 - nr);
-      Prefetcher pf(wp + (p0 + nr) * panel_bytes, next * panel_bytes, tiles * K4);
-      w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, pf);
+  parallel_stealing((panels + kPanelsPerTile - 1) / kPanelsPerTile, [&](int64_t g, int64_t next) {
+    const int64_t p0 = g * kPanelsPerTile;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
+    if (tiles == 1) {
+      NoPrefetch none;
+      w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, none);
+      return;
     }
+    const int64_t pn = next < 0 ? panels : next * kPanelsPerTile, next_nr = std::min<int64_t>(kPanelsPerTile, panels - pn);
+    Prefetcher pf(wp + pn * panel_bytes, next_nr * panel_bytes, tiles * K4);
+    w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, pf);
   });
   return out;
 #endif
@@ -2633,25 +2710,27 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto* szp = reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  struct Scratch {
     std::vector<uint16_t> widened;
-    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
-      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
-      if (M <= kRowsPerTile) {
-        int4_rows<false>(M, nr, xp, xs, wp, K4, G, tpg, p0, n, op, n, szp, 2 * n, xsum.data(), bp);
-        continue;
-      }
-      // many rows: widen the group's nibbles once (panels p0.. as 0..), then every tile reads bf16
-      widened.resize(static_cast<size_t>(nr * K4 * 64));
-      for (int64_t t = 0; t < nr * K4; ++t) {
-        __m512i a, b;
-        int4_pairs(wp + (p0 * K4 + t) * 32, a, b);
-        _mm512_storeu_si512(widened.data() + t * 64, a);
-        _mm512_storeu_si512(widened.data() + t * 64 + 32, b);
-      }
-      int4_rows<true>(M, nr, xp, xs, widened.data(), K4, G, tpg, 0, n - p0 * 16, op + p0 * 16, n,
-                      szp + 2 * p0 * 16, 2 * n, xsum.data(), bp ? bp + p0 * 16 : nullptr);
+  };
+  parallel_stealing<Scratch>((P + kPanelsPerTile - 1) / kPanelsPerTile, [&](Scratch& scratch, int64_t g, int64_t) {
+    const int64_t p0 = g * kPanelsPerTile;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, P - p0));
+    if (M <= kRowsPerTile) {
+      int4_rows<false>(M, nr, xp, xs, wp, K4, G, tpg, p0, n, op, n, szp, 2 * n, xsum.data(), bp);
+      return;
     }
+    // many rows: widen the group's nibbles once (panels p0.. as 0..), then every tile reads bf16
+    std::vector<uint16_t>& widened = scratch.widened;
+    widened.resize(static_cast<size_t>(nr * K4 * 64));
+    for (int64_t t = 0; t < nr * K4; ++t) {
+      __m512i a, b;
+      int4_pairs(wp + (p0 * K4 + t) * 32, a, b);
+      _mm512_storeu_si512(widened.data() + t * 64, a);
+      _mm512_storeu_si512(widened.data() + t * 64 + 32, b);
+    }
+    int4_rows<true>(M, nr, xp, xs, widened.data(), K4, G, tpg, 0, n - p0 * 16, op + p0 * 16, n,
+                    szp + 2 * p0 * 16, 2 * n, xsum.data(), bp ? bp + p0 * 16 : nullptr);
   });
   return out;
 #else
@@ -2662,15 +2741,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 #if defined(__AVX512F__)
 // The float32 twin of bf16_tile: panels (N_pad / 16, K, 16), one k per FMA.
-template <int MR, int NR>
+template <int MR, int NR, class PF>
 inline void f32_tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, int64_t p0,
-                     int64_t N, float* __restrict out, int64_t os, const float* __restrict bias) {
+                     int64_t N, float* __restrict out, int64_t os, const float* __restrict bias, PF& pf) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const float* panel[NR];
   for (int j = 0; j < NR; ++j) panel[j] = w + (p0 + j) * K * 16;
   for (int64_t k = 0; k < K; ++k) {
+    pf.step();
     __m512 b[NR];
     for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_ps(panel[j] + k * 16);
     for (int i = 0; i < MR; ++i) {
@@ -2687,14 +2767,33 @@ inline void f32_tile(const float* __restrict x, int64_t xs, const float* __restr
   }
 }
 
-template <int MR>
+template <int MR, class PF>
 void f32_tile_nr(int nr, const float* x, int64_t xs, const float* w, int64_t K, int64_t p0, int64_t N, float* out,
-                 int64_t os, const float* bias) {
+                 int64_t os, const float* bias, PF& pf) {
   switch (nr) {
-    case 4: f32_tile<MR, 4>(x, xs, w, K, p0, N, out, os, bias); break;
-    case 3: f32_tile<MR, 3>(x, xs, w, K, p0, N, out, os, bias); break;
-    case 2: f32_tile<MR, 2>(x, xs, w, K, p0, N, out, os, bias); break;
-    default: f32_tile<MR, 1>(x, xs, w, K, p0, N, out, os, bias); break;
+    case 4: f32_tile<MR, 4, PF>(x, xs, w, K, p0, N, out, os, bias, pf); break;
+    case 3: f32_tile<MR, 3, PF>(x, xs, w, K, p0, N, out, os, bias, pf); break;
+    case 2: f32_tile<MR, 2, PF>(x, xs, w, K, p0, N, out, os, bias, pf); break;
+    default: f32_tile<MR, 1, PF>(x, xs, w, K, p0, N, out, os, bias, pf); break;
+  }
+}
+
+// Rows [0, M) of panels p0 .. p0 + nr - 1, kRowsPerTile rows per tile.
+template <class PF>
+void f32_rows(int64_t M, int nr, const float* xp, int64_t xs, const float* w, int64_t K, int64_t p0, int64_t n,
+              float* op, const float* bias, PF& pf) {
+  for (int64_t m = 0; m < M; m += kRowsPerTile) {
+    const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+    const float* xr = xp + m * xs;
+    float* orow = op + m * n;
+    switch (mr) {
+      case 6: f32_tile_nr<6, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
+      case 5: f32_tile_nr<5, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
+      case 4: f32_tile_nr<4, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
+      case 3: f32_tile_nr<3, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
+      case 2: f32_tile_nr<2, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
+      default: f32_tile_nr<1, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
+    }
   }
 }
 #endif
@@ -2773,21 +2872,20 @@ void f32_rows_avx2(int nr, const float* x, int64_t xs, const W* w, int64_t K, in
 template <class W>
 void f32_linear_avx2(const float* xp, int64_t xs, int64_t M, const W* wp, int64_t K, int64_t panels, int64_t n,
                      const float* scale, const float* bp, float* op) {
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
-      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
-      for (int64_t m = 0; m < M; m += kRowsPerTile) {
-        const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
-        const float* xr = xp + m * xs;
-        float* orow = op + m * n;
-        switch (mr) {
-          case 6: f32_rows_avx2<6, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-          case 5: f32_rows_avx2<5, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-          case 4: f32_rows_avx2<4, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-          case 3: f32_rows_avx2<3, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-          case 2: f32_rows_avx2<2, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-          default: f32_rows_avx2<1, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-        }
+  parallel_stealing((panels + kPanelsPerTile - 1) / kPanelsPerTile, [&](int64_t g, int64_t) {
+    const int64_t p0 = g * kPanelsPerTile;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
+    for (int64_t m = 0; m < M; m += kRowsPerTile) {
+      const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+      const float* xr = xp + m * xs;
+      float* orow = op + m * n;
+      switch (mr) {
+        case 6: f32_rows_avx2<6, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+        case 5: f32_rows_avx2<5, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+        case 4: f32_rows_avx2<4, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+        case 3: f32_rows_avx2<3, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+        case 2: f32_rows_avx2<2, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
+        default: f32_rows_avx2<1, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
       }
     }
   });
@@ -2816,23 +2914,20 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerTile) {
-      const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, end - p0));
-      for (int64_t m = 0; m < M; m += kRowsPerTile) {
-        const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
-        const float* xr = xp + m * xs;
-        float* orow = op + m * n;
-        switch (mr) {
-          case 6: f32_tile_nr<6>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
-          case 5: f32_tile_nr<5>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
-          case 4: f32_tile_nr<4>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
-          case 3: f32_tile_nr<3>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
-          case 2: f32_tile_nr<2>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
-          default: f32_tile_nr<1>(nr, xr, xs, wp, K, p0, n, orow, n, bp); break;
-        }
-      }
+  const int64_t panel_bytes = K * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t groups = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
+  parallel_stealing(groups, [&](int64_t g, int64_t next) {
+    const int64_t p0 = g * kPanelsPerTile;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
+    // as panel_linear_bf16: the next group of this thread's panels fetched while several tiles compute this one
+    if (tiles == 1) {
+      NoPrefetch none;
+      f32_rows(M, nr, xp, xs, wp, K, p0, n, op, bp, none);
+      return;
     }
+    const int64_t pn = next < 0 ? panels : next * kPanelsPerTile, next_nr = std::min<int64_t>(kPanelsPerTile, panels - pn);
+    Prefetcher pf(reinterpret_cast<const char*>(wp) + pn * panel_bytes, next_nr * panel_bytes, tiles * K);
+    f32_rows(M, nr, xp, xs, wp, K, p0, n, op, bp, pf);
   });
   return out;
 #elif defined(LORAPLEX_F32_AVX2)

@@ -79,6 +79,62 @@ def test_decode_attention_over_shared_prefix_blocks_in_any_row_order(ops, paged_
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, paged_batch, restore_threads):
+    """The GEMMs and attentions split their items across threads and let a thread that is done take the
+    rest of another's share (parallel_stealing): every item is computed the same way by whoever takes it,
+    once. 1 thread against 2, 3 and 7 on this machine's cores (oversubscribed, so some threads are
+    descheduled mid-share and others take their items), three calls each: equal to the bit."""
+    from kernels.quant import linear, place, quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(17)
+    cases = []  # (name, fn)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not (ops.has_bf16_linear() if dtype == torch.bfloat16 else ops.has_f32_linear()):
+            continue
+        w, x = torch.randn(600, 96, generator=g).to(dtype), torch.randn(40, 96, generator=g).to(dtype)
+        packed = dense_cpu.pack(w)
+        for m in (3, 40):  # one tile (no prefetch), several (the next group fetched ahead)
+            cases.append((f"dense {dtype} m={m}", lambda x=x[:m], packed=packed: dense_cpu.linear(x, packed)))
+    if ops.has_bf16_linear():
+        xb = torch.randn(40, 128, generator=g).bfloat16()
+        placed8 = place(quantize_int8(torch.randn(600, 128, generator=g), torch.bfloat16), "cpu")
+        placed4 = place(quantize_int4(torch.randn(600, 128, generator=g), 32, torch.bfloat16), "cpu")
+        for m in (3, 13):  # streaming tiles, the widened-panel scratch
+            cases.append((f"int8 m={m}", lambda x=xb[:m]: linear(x, placed8)))
+            cases.append((f"int4 m={m}", lambda x=xb[:m]: linear(x, placed4)))
+    if ops.has_w8a8_linear():
+        placed = place(quantize_int8(torch.randn(600, 128, generator=g), torch.bfloat16, activations="int8"), "cpu")
+        cases.append(("w8a8", lambda: linear(torch.randn(13, 128, generator=torch.Generator().manual_seed(3))
+                                             .bfloat16(), placed)))
+    lens = [45, 40, 33, 47, 36, 48, 8, 70, 1, 16]
+    for dtype in (torch.float32, torch.bfloat16):
+        b = paged_batch([1] * len(lens), lens, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
+                        seed=5)
+        b.block_tables[2:6, :2] = b.block_tables[0, :2]  # a shared prefix: rows ordered by their first block
+        ids = torch.arange(len(lens))
+        cases.append((f"decode attention {dtype}", lambda b=b, ids=ids: ops.decode_attention(
+            b.q, b.k_cache, b.v_cache, b.block_tables, ids, b.seq_lens, 0.125, 0)))
+        if ops.has_prefill_attention():
+            pb = paged_batch([90, 17], [130, 17], block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=dtype,
+                             seed=6)
+            cases.append((f"prefill attention {dtype}", lambda pb=pb: paged_attention(*pb.args(), 0.125, None)))
+    assert cases
+    torch.set_num_threads(1)
+    want = {name: fn() for name, fn in cases}
+    for threads in (2, 3, 7):
+        torch.set_num_threads(threads)
+        for name, fn in cases:
+            for _ in range(3):
+                assert torch.equal(fn(), want[name]), f"{name}, {threads} threads"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_on_mixed_batches_equals_the_reference(ops, paged_batch, dtype):
     batch = paged_batch([1, 7, 1, 12, 3, 1], [9, 7, 20, 33, 5, 1], block_size=4, num_kv_heads=2, group=2,
