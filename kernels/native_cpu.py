@@ -36,7 +36,8 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds
         included: one Python call per layer instead of nine to thirteen.
 
-Threads: the GEMMs (panel groups) and both attentions (row and head items) start from the contiguous shares
+Threads: the GEMMs (panel groups), both attentions (row and head items) and lora_add (tiles of one slot's
+tokens) start from the contiguous shares
 at::parallel_for would give each of torch's threads, and a thread done with its share takes items from the
 far end of another's (parallel_stealing in the source). A thread that the OS deschedules mid-step (the
 gateway or the HTTP client on its core, a neighbouring VM) then delays only the item it holds; with a static

@@ -1670,27 +1670,29 @@ void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const int32_t* rp = ranks.data_ptr<int32_t>();
   const float* sp = scaling.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = y.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> u(static_cast<size_t>(4 * num_slices * R));
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t i0 = tiles[it], s = slots[order[i0]];
-      const int M = static_cast<int>(std::min<int64_t>(4, count[s + 1] - i0));
-      const T* xr[4];
-      T* yr[4];
-      for (int m = 0; m < M; ++m) {
-        xr[m] = xp + order[i0 + m] * xs;
-        yr[m] = yp + order[i0 + m] * ys;
-      }
+  struct Scratch {
+    std::vector<float> u;
+  };
+  parallel_stealing<Scratch>(static_cast<int64_t>(tiles.size()), [&](Scratch& scratch, int64_t it, int64_t) {
+    std::vector<float>& u = scratch.u;
+    u.resize(static_cast<size_t>(4 * num_slices * R));
+    const int64_t i0 = tiles[it], s = slots[order[i0]];
+    const int M = static_cast<int>(std::min<int64_t>(4, count[s + 1] - i0));
+    const T* xr[4];
+    T* yr[4];
+    for (int m = 0; m < M; ++m) {
+      xr[m] = xp + order[i0 + m] * xs;
+      yr[m] = yp + order[i0 + m] * ys;
+    }
 #define LORAPLEX_LORA_TOKENS(MM) \
   lora_tokens<T, MM>(xr, yr, s, ap, bp, rp, sp, num_slices, R, h_in, n_out, offsets.data(), sizes.data(), u.data())
-      switch (M) {
-        case 1: LORAPLEX_LORA_TOKENS(1); break;
-        case 2: LORAPLEX_LORA_TOKENS(2); break;
-        case 3: LORAPLEX_LORA_TOKENS(3); break;
-        default: LORAPLEX_LORA_TOKENS(4); break;
-      }
-#undef LORAPLEX_LORA_TOKENS
+    switch (M) {
+      case 1: LORAPLEX_LORA_TOKENS(1); break;
+      case 2: LORAPLEX_LORA_TOKENS(2); break;
+      case 3: LORAPLEX_LORA_TOKENS(3); break;
+      default: LORAPLEX_LORA_TOKENS(4); break;
     }
+#undef LORAPLEX_LORA_TOKENS
   });
 }
 #endif

@@ -87,7 +87,7 @@ def restore_threads():
 
 
 def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, paged_batch, restore_threads):
-    """The GEMMs and attentions split their items across threads and let a thread that is done take the
+    """The GEMMs, the attentions and the LoRA add split their items across threads and let a thread that is done take the
     rest of another's share (parallel_stealing): every item is computed the same way by whoever takes it,
     once. 1 thread against 2, 3 and 7 on this machine's cores (oversubscribed, so some threads are
     descheduled mid-share and others take their items), three calls each: equal to the bit."""
@@ -125,6 +125,19 @@ def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, pa
             pb = paged_batch([90, 17], [130, 17], block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=dtype,
                              seed=6)
             cases.append((f"prefill attention {dtype}", lambda pb=pb: paged_attention(*pb.args(), 0.125, None)))
+    for dtype in (torch.float32, torch.bfloat16):  # the batched LoRA add: tiles of one slot's tokens
+        h_in, sizes, R, S = 100, [200, 72], 16, 3
+        ranks, scaling = torch.tensor([[16, 3], [1, 16], [7, 0]], dtype=torch.int32), torch.full((S, 2), 0.5)
+        lora_a = torch.randn(S, 2 * R, h_in, generator=g).to(dtype)
+        b_t = torch.randn(S, R, sum(sizes), generator=g).to(dtype)
+        slots = torch.randint(-1, S, (40,), generator=g, dtype=torch.int32)
+        x, y = torch.randn(40, h_in, generator=g).to(dtype), torch.randn(40, sum(sizes), generator=g).to(dtype)
+
+        def add(y=y, x=x, lora_a=lora_a, b_t=b_t, ranks=ranks, scaling=scaling, slots=slots, sizes=sizes):
+            out = y.clone()
+            ops.lora_add(out, x, lora_a, b_t, ranks, scaling, slots, sizes)
+            return out
+        cases.append((f"lora_add {dtype}", add))
     assert cases
     torch.set_num_threads(1)
     want = {name: fn() for name, fn in cases}
