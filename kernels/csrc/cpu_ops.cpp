@@ -84,7 +84,7 @@ inline void from_f(float x, bf16* out) { *out = bf16(x); }  // round to nearest 
 // a thief gets it first (for prefetching; -1 for a stolen item or the share's last).
 class StealRanges {
  public:
-  StealRanges(int64_t n, int64_t parts) : parts_(parts), r_(new std::atomic<uint64_t>[static_cast<size_t>(parts)]) {
+  StealRanges(int64_t n, int64_t parts) : r_(new std::atomic<uint64_t>[static_cast<size_t>(parts)]) {
     for (int64_t t = 0; t < parts; ++t) r_[t].store(pack(n * t / parts, n * (t + 1) / parts), std::memory_order_relaxed);
   }
   // the front item of share t and the one after it (-1: none), or {-1, -1} once the share is empty
@@ -105,11 +105,8 @@ class StealRanges {
       if (r_[t].compare_exchange_weak(cur, pack(b, e - 1), std::memory_order_relaxed)) return e - 1;
     }
   }
-  int64_t parts() const { return parts_; }
-
  private:
   static uint64_t pack(int64_t b, int64_t e) { return (static_cast<uint64_t>(b) << 32) | static_cast<uint64_t>(e); }
-  int64_t parts_;
   std::unique_ptr<std::atomic<uint64_t>[]> r_;
 };
 
