@@ -760,7 +760,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   parallel_stealing<Scratch>(B * Hkv, [&](Scratch& scratch, int64_t item, int64_t) {
     auto& [scores, pairs, offs] = scratch;
     float qf[kMaxGroup * kMaxHeadDim];
-    alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];
+    [[maybe_unused]] alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];  // AVX-512 builds only
     float acc[kMaxGroup * kMaxHeadDim];
     const int64_t b = rows[item % B], h = item / B, s = ids[b];
     const int64_t len = lens[s];
@@ -1848,24 +1848,30 @@ void bf16_tile_nr(int nr, const uint16_t* x, int64_t xs, const void* w, int64_t 
 constexpr int64_t kPanelsPerTile = 4;
 constexpr int64_t kRowsPerTile = 6;
 
+// Rows [0, M) in tiles of kRowsPerTile: tile(std::integral_constant<int, MR>, m) for each tile's first row m
+// and its row count MR (the last tile's may be fewer), so the tile kernels take MR as a template argument.
+template <class F>
+inline void for_row_tiles(int64_t M, const F& tile) {
+  for (int64_t m = 0; m < M; m += kRowsPerTile) {
+    switch (std::min<int64_t>(kRowsPerTile, M - m)) {
+      case 6: tile(std::integral_constant<int, 6>{}, m); break;
+      case 5: tile(std::integral_constant<int, 5>{}, m); break;
+      case 4: tile(std::integral_constant<int, 4>{}, m); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m); break;
+      default: tile(std::integral_constant<int, 1>{}, m); break;
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
 // Rows [0, M) of panels p0 .. p0 + nr - 1, kRowsPerTile rows per tile.
 template <bool I8, class PF>
 void bf16_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t n,
                uint16_t* op, int64_t os, const float* scale, const float* bias, PF& pf) {
-  for (int64_t m = 0; m < M; m += kRowsPerTile) {
-    const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
-    const uint16_t* xr = xp + m * xs;
-    uint16_t* orow = op + m * os;
-    switch (mr) {
-      case 6: bf16_tile_nr<6, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 5: bf16_tile_nr<5, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 4: bf16_tile_nr<4, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 3: bf16_tile_nr<3, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      case 2: bf16_tile_nr<2, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-      default: bf16_tile_nr<1, I8, PF>(nr, xr, xs, w, K2, p0, n, orow, os, scale, bias, pf); break;
-    }
-  }
+  for_row_tiles(M, [&](auto mr, int64_t m) {
+    bf16_tile_nr<decltype(mr)::value, I8, PF>(nr, xp + m * xs, xs, w, K2, p0, n, op + m * os, os, scale, bias, pf);
+  });
 }
 #endif
 
@@ -2781,19 +2787,9 @@ void f32_tile_nr(int nr, const float* x, int64_t xs, const float* w, int64_t K, 
 template <class PF>
 void f32_rows(int64_t M, int nr, const float* xp, int64_t xs, const float* w, int64_t K, int64_t p0, int64_t n,
               float* op, const float* bias, PF& pf) {
-  for (int64_t m = 0; m < M; m += kRowsPerTile) {
-    const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
-    const float* xr = xp + m * xs;
-    float* orow = op + m * n;
-    switch (mr) {
-      case 6: f32_tile_nr<6, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
-      case 5: f32_tile_nr<5, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
-      case 4: f32_tile_nr<4, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
-      case 3: f32_tile_nr<3, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
-      case 2: f32_tile_nr<2, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
-      default: f32_tile_nr<1, PF>(nr, xr, xs, w, K, p0, n, orow, n, bias, pf); break;
-    }
-  }
+  for_row_tiles(M, [&](auto mr, int64_t m) {
+    f32_tile_nr<decltype(mr)::value, PF>(nr, xp + m * xs, xs, w, K, p0, n, op + m * n, n, bias, pf);
+  });
 }
 #endif
 
@@ -2874,19 +2870,9 @@ void f32_linear_avx2(const float* xp, int64_t xs, int64_t M, const W* wp, int64_
   parallel_stealing((panels + kPanelsPerTile - 1) / kPanelsPerTile, [&](int64_t g, int64_t) {
     const int64_t p0 = g * kPanelsPerTile;
     const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
-    for (int64_t m = 0; m < M; m += kRowsPerTile) {
-      const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
-      const float* xr = xp + m * xs;
-      float* orow = op + m * n;
-      switch (mr) {
-        case 6: f32_rows_avx2<6, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-        case 5: f32_rows_avx2<5, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-        case 4: f32_rows_avx2<4, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-        case 3: f32_rows_avx2<3, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-        case 2: f32_rows_avx2<2, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-        default: f32_rows_avx2<1, W>(nr, xr, xs, wp, K, p0, n, orow, n, scale, bp); break;
-      }
-    }
+    for_row_tiles(M, [&](auto mr, int64_t m) {
+      f32_rows_avx2<decltype(mr)::value, W>(nr, xp + m * xs, xs, wp, K, p0, n, op + m * n, n, scale, bp);
+    });
   });
 }
 #endif
