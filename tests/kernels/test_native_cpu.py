@@ -87,10 +87,10 @@ def restore_threads():
 
 
 def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, paged_batch, restore_threads):
-    """The GEMMs, the attentions and the LoRA add split their items across threads and let a thread that is done take the
-    rest of another's share (parallel_stealing): every item is computed the same way by whoever takes it,
-    once. 1 thread against 2, 3 and 7 on this machine's cores (oversubscribed, so some threads are
-    descheduled mid-share and others take their items), three calls each: equal to the bit."""
+    """The GEMMs, the attentions and the LoRA add split their items across threads and let a thread that is
+    done take the rest of another's share (parallel_stealing): every item is computed the same way by
+    whoever takes it, once. 1 thread against 2, 3 and 7 on this machine's cores (oversubscribed, so some
+    threads are descheduled mid-share and others take their items), three calls each: equal to the bit."""
     from kernels.quant import linear, place, quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(17)
@@ -111,8 +111,8 @@ def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, pa
             cases.append((f"int4 m={m}", lambda x=xb[:m]: linear(x, placed4)))
     if ops.has_w8a8_linear():
         placed = place(quantize_int8(torch.randn(600, 128, generator=g), torch.bfloat16, activations="int8"), "cpu")
-        cases.append(("w8a8", lambda: linear(torch.randn(13, 128, generator=torch.Generator().manual_seed(3))
-                                             .bfloat16(), placed)))
+        x8 = torch.randn(13, 128, generator=g).bfloat16()
+        cases.append(("w8a8", lambda: linear(x8, placed)))
     lens = [45, 40, 33, 47, 36, 48, 8, 70, 1, 16]
     for dtype in (torch.float32, torch.bfloat16):
         b = paged_batch([1] * len(lens), lens, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
