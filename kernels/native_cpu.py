@@ -37,9 +37,8 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         included: one Python call per layer instead of nine to thirteen.
 
 Threads: the GEMMs (panel groups), both attentions (row and head items) and lora_add (tiles of one slot's
-tokens) start from the contiguous shares
-at::parallel_for would give each of torch's threads, and a thread done with its share takes items from the
-far end of another's (parallel_stealing in the source). A thread that the OS deschedules mid-step (the
+tokens) start from the contiguous shares at::parallel_for would give each of torch's threads, and a thread
+done with its share takes items from the far end of another's (parallel_stealing in the source). A thread that the OS deschedules mid-step (the
 gateway or the HTTP client on its core, a neighbouring VM) then delays only the item it holds; with a static
 split the other thread would wait out its whole share at the region's end. Every item is computed the same
 way by whichever thread takes it, so results do not depend on the thread count or on who took what.

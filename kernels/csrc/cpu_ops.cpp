@@ -84,7 +84,7 @@ inline void from_f(float x, bf16* out) { *out = bf16(x); }  // round to nearest 
 // a thief gets it first (for prefetching; -1 for a stolen item or the share's last).
 class StealRanges {
  public:
-  StealRanges(int64_t n, int64_t parts) : r_(new std::atomic<uint64_t>[static_cast<size_t>(parts)]) {
+  StealRanges(int64_t n, int64_t parts) : r_(new Share[static_cast<size_t>(parts)]) {
     for (int64_t t = 0; t < parts; ++t) r_[t].store(pack(n * t / parts, n * (t + 1) / parts), std::memory_order_relaxed);
   }
   // the front item of share t and the one after it (-1: none), or {-1, -1} once the share is empty
@@ -107,7 +107,9 @@ class StealRanges {
   }
  private:
   static uint64_t pack(int64_t b, int64_t e) { return (static_cast<uint64_t>(b) << 32) | static_cast<uint64_t>(e); }
-  std::unique_ptr<std::atomic<uint64_t>[]> r_;
+  // a cache line per share: owners updating their own shares do not contend for one line
+  struct alignas(64) Share : std::atomic<uint64_t> {};
+  std::unique_ptr<Share[]> r_;
 };
 
 struct NoScratch {};
@@ -1848,6 +1850,15 @@ void bf16_tile_nr(int nr, const uint16_t* x, int64_t xs, const void* w, int64_t 
 constexpr int64_t kPanelsPerTile = 4;
 constexpr int64_t kRowsPerTile = 6;
 
+// The fetch of panel group `next` (of kPanelsPerTile panels, panel_bytes each, of `panels` in all) over `steps`
+// k steps: a panel GEMM's next item from parallel_stealing, nothing when there is none (-1).
+inline Prefetcher next_group_fetch(const void* w, int64_t next, int64_t panels, int64_t panel_bytes, int64_t steps) {
+  if (next < 0) return Prefetcher();
+  const int64_t p0 = next * kPanelsPerTile;
+  return Prefetcher(static_cast<const char*>(w) + p0 * panel_bytes,
+                    std::min<int64_t>(kPanelsPerTile, panels - p0) * panel_bytes, steps);
+}
+
 // Rows [0, M) in tiles of kRowsPerTile: tile(std::integral_constant<int, MR>, m) for each tile's first row m
 // and its row count MR (the last tile's may be fewer), so the tile kernels take MR as a template argument.
 template <class F>
@@ -2110,8 +2121,7 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n
       }
       return;
     }
-    const int64_t pn = next < 0 ? panels : next * kPanelsPerTile, next_nr = std::min<int64_t>(kPanelsPerTile, panels - pn);
-    Prefetcher pf(static_cast<const char*>(wp) + pn * panel_bytes, next_nr * panel_bytes, tiles * K2);
+    Prefetcher pf = next_group_fetch(wp, next, panels, panel_bytes, tiles * K2);
     if (!i8) {
       bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, pf);
     } else {
@@ -2501,8 +2511,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, none);
       return;
     }
-    const int64_t pn = next < 0 ? panels : next * kPanelsPerTile, next_nr = std::min<int64_t>(kPanelsPerTile, panels - pn);
-    Prefetcher pf(wp + pn * panel_bytes, next_nr * panel_bytes, tiles * K4);
+    Prefetcher pf = next_group_fetch(wp, next, panels, panel_bytes, tiles * K4);
     w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, pf);
   });
   return out;
@@ -2910,8 +2919,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
       f32_rows(M, nr, xp, xs, wp, K, p0, n, op, bp, none);
       return;
     }
-    const int64_t pn = next < 0 ? panels : next * kPanelsPerTile, next_nr = std::min<int64_t>(kPanelsPerTile, panels - pn);
-    Prefetcher pf(reinterpret_cast<const char*>(wp) + pn * panel_bytes, next_nr * panel_bytes, tiles * K);
+    Prefetcher pf = next_group_fetch(wp, next, panels, panel_bytes, tiles * K);
     f32_rows(M, nr, xp, xs, wp, K, p0, n, op, bp, pf);
   });
   return out;
