@@ -891,9 +891,36 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-constexpr int kPrefillRows = 16;  // queries per work item
+constexpr int kPrefillRows = 32;  // queries per work item
+
+// out[i] = column i of the 16 x 16 32-bit words in r (unpack 32, unpack 64, then two 128-bit lane shuffles)
+inline void transpose16_epi32(const __m512i r[16], __m512i out[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4 i + c], 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), ab_hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    out[c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    out[8 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+}
 
 // Rows [i0, i1) of one kv head's G query heads: out = softmax(q K^T) V over keys lo(row) .. pos(row).
+// Per block of keys: the keys transposed once for all the item's rows; then, 4 rows at a time, their scores,
+// their softmax bookkeeping, and P @ V for the 4 rows together (4 x 4 independent sums per value chunk: one
+// row's sums alone are a chain as long as the block, which ran latency-bound at a third of the issue rate).
 template <typename Q, typename KV, int C>
 void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, const KV* k_base, const KV* v_base,
                   int64_t block_stride, int64_t slot_stride, const int32_t* table, int64_t block_size, int64_t start,
@@ -906,20 +933,23 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
 #else
   constexpr bool kPairs = false;
 #endif
+  constexpr bool kWords = kPairs || std::is_same_v<KV, float>;  // keys transposed as 32-bit words
+  constexpr int W = kPairs ? D / 2 : D;                         // words (k pairs or floats) per key
   const int64_t rows = i1 - i0;
   alignas(64) float qf[kMaxGroup][kPrefillRows][D];
   alignas(64) float acc[kMaxGroup][kPrefillRows][D];
   float m[kMaxGroup][kPrefillRows], l[kMaxGroup][kPrefillRows];
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t r = rows; r < kPrefillRows; ++r)
-      for (int d = 0; d < D; ++d) qf[g][r][d] = 0.f;  // read (and ignored) by the last 4-row tile
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t r = 0; r < rows; ++r) {
-      const Q* src = qp + (i0 + r) * qs0 + (h * G + g) * qs1;
-      if constexpr (kPairs) {
-        std::memcpy(&qf[g][r][0], src, D * sizeof(bf16));  // the first D / 2 floats hold the D bf16 as pairs
+    for (int64_t r = 0; r < kPrefillRows; ++r) {  // rows past the item's are computed in the last 4-row tile, never stored
+      if (r < rows) {
+        const Q* src = qp + (i0 + r) * qs0 + (h * G + g) * qs1;
+        if constexpr (kPairs) {
+          std::memcpy(&qf[g][r][0], src, D * sizeof(bf16));  // the first D / 2 floats hold the D bf16 as pairs
+        } else {
+          for (int d = 0; d < D; ++d) qf[g][r][d] = to_f(src[d]) * scale;
+        }
       } else {
-        for (int d = 0; d < D; ++d) qf[g][r][d] = to_f(src[d]) * scale;
+        for (int d = 0; d < D; ++d) qf[g][r][d] = 0.f;
       }
       for (int d = 0; d < D; ++d) acc[g][r][d] = 0.f;
       m[g][r] = -std::numeric_limits<float>::infinity();
@@ -929,12 +959,14 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
   const int64_t first_lo = window > 0 ? std::max<int64_t>(0, start + i0 - window + 1) : 0;
   // keys per block: 64 (four zmm of scores) at head_dim 64, so each row's softmax bookkeeping (max, sum,
   // rescale) runs once per 64 keys (32: 10 % slower, measured); 16 at 128 (the block's keys and values
-  // then still fit in L1)
+  // then still fit in L1), with each score split over 4 partial sums so 4 rows still make 16 chains
   constexpr int NV = C == 4 ? 4 : 1;
   constexpr int KB = 16 * NV;
+  constexpr int SPLIT = 4 / NV;
   alignas(64) float kt[D][KB];  // kPairs: rows [0, D / 2) hold k pairs (2 bf16 in a float's bits)
   alignas(64) float vf[KB][D];  // bf16 values widened once (fp32 values are read in place)
   const float* vrow[KB];
+  const KV* krow[KB];
   // kPairs: the values as key pairs for bf16 dot products, vpair[j2] = rows 2 j2 and 2 j2 + 1 interleaved
   // by unpacklo/hi per 32 dims, so acc holds each 32 dims in the order {0-3, 8-11, 16-19, 24-27} then
   // {4-7, 12-15, 20-23, 28-31} (put back at the end); p rounded to bf16 for them, as flash attention's
@@ -944,26 +976,32 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
     const int64_t nk = std::min<int64_t>(KB, last + 1 - j0);
-    for (int64_t j = 0; j < KB; ++j) {
-      if (j < nk) {
-        const int64_t pos = j0 + j;
-        const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
-        if constexpr (kPairs) {
-          for (int d2 = 0; d2 < D / 2; ++d2) std::memcpy(&kt[d2][j], k_base + slot + 2 * d2, 2 * sizeof(bf16));
-        } else {
-          for (int d = 0; d < D; ++d) kt[d][j] = to_f(k_base[slot + d]);
-        }
-        if constexpr (std::is_same_v<KV, float>) {
-          vrow[j] = v_base + slot;
-        } else if constexpr (!kPairs) {
-          for (int d = 0; d < D; ++d) vf[j][d] = to_f(v_base[slot + d]);
-          vrow[j] = vf[j];
-        } else {
-          vrow[j] = reinterpret_cast<const float*>(v_base + slot);  // bf16 rows, paired below
-        }
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = j0 + j;
+      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+      krow[j] = k_base + slot;
+      if constexpr (std::is_same_v<KV, float>) {
+        vrow[j] = v_base + slot;
+      } else if constexpr (!kPairs) {
+        for (int d = 0; d < D; ++d) vf[j][d] = to_f(v_base[slot + d]);
+        vrow[j] = vf[j];
       } else {
-        for (int d = 0; d < (kPairs ? D / 2 : D); ++d) kt[d][j] = 0.f;
+        vrow[j] = reinterpret_cast<const float*>(v_base + slot);  // bf16 rows, paired below
       }
+    }
+    if constexpr (kWords) {  // 16 keys x 16 words at a time, missing keys as zeros
+      for (int v = 0; v < NV; ++v)
+        for (int w0 = 0; w0 < W; w0 += 16) {
+          __m512i in[16], tr[16];
+          for (int j = 0; j < 16; ++j)
+            in[j] = 16 * v + j < nk ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[16 * v + j]) + w0)
+                                    : _mm512_setzero_si512();
+          transpose16_epi32(in, tr);
+          for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[w0 + i] + 16 * v, tr[i]);
+        }
+    } else {
+      for (int64_t j = 0; j < KB; ++j)
+        for (int d = 0; d < D; ++d) kt[d][j] = j < nk ? to_f(krow[j][d]) : 0.f;
     }
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
@@ -982,40 +1020,59 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
 #endif
     __m512i keys[NV];
     for (int v = 0; v < NV; ++v) keys[v] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)), lane);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: 4 x NV independent chains per score
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: 4 x NV x SPLIT independent chains per score
       const int64_t nr = std::min<int64_t>(4, rows - r0);
       if (j0 > start + i0 + r0 + nr - 1) continue;  // every key of the block is in these rows' future
       for (int64_t g = 0; g < G; ++g) {
         __m512 sc[4][NV];
-        for (int u = 0; u < 4; ++u)
-          for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_setzero_ps();
-        if constexpr (kPairs) {
+        {
+          __m512 part[4][NV][SPLIT];
+          for (int u = 0; u < 4; ++u)
+            for (int v = 0; v < NV; ++v)
+              for (int s = 0; s < SPLIT; ++s) part[u][v][s] = _mm512_setzero_ps();
+          if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-          for (int d2 = 0; d2 < D / 2; ++d2) {
-            __m512bh kd[NV];
-            for (int v = 0; v < NV; ++v) kd[v] = (__m512bh)_mm512_load_si512(kt[d2] + 16 * v);
-            for (int u = 0; u < 4; ++u) {
-              const __m512bh qd = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(qf[g][r0 + u][d2]));
-              for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_dpbf16_ps(sc[u][v], qd, kd[v]);
-            }
+            for (int d2 = 0; d2 < D / 2; d2 += SPLIT)
+              for (int s = 0; s < SPLIT; ++s) {
+                __m512bh kd[NV];
+                for (int v = 0; v < NV; ++v) kd[v] = (__m512bh)_mm512_load_si512(kt[d2 + s] + 16 * v);
+                for (int u = 0; u < 4; ++u) {
+                  const __m512bh qd = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(qf[g][r0 + u][d2 + s]));
+                  for (int v = 0; v < NV; ++v) part[u][v][s] = _mm512_dpbf16_ps(part[u][v][s], qd, kd[v]);
+                }
+              }
+#endif
+          } else {
+            for (int d = 0; d < D; d += SPLIT)
+              for (int s = 0; s < SPLIT; ++s) {
+                __m512 kd[NV];
+                for (int v = 0; v < NV; ++v) kd[v] = _mm512_load_ps(kt[d + s] + 16 * v);
+                for (int u = 0; u < 4; ++u) {
+                  const __m512 qd = _mm512_set1_ps(qf[g][r0 + u][d + s]);
+                  for (int v = 0; v < NV; ++v) part[u][v][s] = _mm512_fmadd_ps(qd, kd[v], part[u][v][s]);
+                }
+              }
           }
           for (int u = 0; u < 4; ++u)
-            for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_mul_ps(sc[u][v], _mm512_set1_ps(scale));
-#endif
-        } else {
-          for (int d = 0; d < D; ++d) {
-            __m512 kd[NV];
-            for (int v = 0; v < NV; ++v) kd[v] = _mm512_load_ps(kt[d] + 16 * v);
-            for (int u = 0; u < 4; ++u) {
-              const __m512 qd = _mm512_set1_ps(qf[g][r0 + u][d]);
-              for (int v = 0; v < NV; ++v) sc[u][v] = _mm512_fmadd_ps(qd, kd[v], sc[u][v]);
+            for (int v = 0; v < NV; ++v) {
+              __m512 s = part[u][v][0];
+              for (int t = 1; t < SPLIT; ++t) s = _mm512_add_ps(s, part[u][v][t]);
+              sc[u][v] = kPairs ? _mm512_mul_ps(s, _mm512_set1_ps(scale)) : s;
             }
-          }
         }
-        for (int64_t u = 0; u < nr; ++u) {
+        // each row's softmax bookkeeping; a row that sees no key of the block keeps acc as it is (p = 0)
+        alignas(64) float pj[4][KB];
+        float corr[4];
+        int64_t seen = 0;  // keys [0, seen) of the block are visible to some row of the tile
+        for (int u = 0; u < 4; ++u) {
           const int64_t r = r0 + u, pos = start + i0 + r;
           const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-          if (j0 > pos || j0 + KB <= lo) continue;  // no key of the block is visible to this row
+          corr[u] = 1.f;
+          if (u >= nr || j0 > pos || j0 + KB <= lo) {
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(pj[u] + 16 * v, _mm512_setzero_ps());
+            continue;
+          }
+          seen = std::max(seen, std::min(nk, pos + 1 - j0));
           __m512 s_row[NV];
           __mmask16 valid[NV];
           __m512 mx = neg_inf;
@@ -1026,39 +1083,56 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
             mx = _mm512_max_ps(mx, s_row[v]);
           }
           const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));
-          const float corr = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
-          alignas(64) float pj[KB];
+          corr[u] = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
           __m512 psum = _mm512_setzero_ps();
           for (int v = 0; v < NV; ++v) {
             const __m512 pr = _mm512_maskz_mov_ps(valid[v], exp16(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new))));
             psum = _mm512_add_ps(psum, pr);
-            _mm512_store_ps(pj + 16 * v, pr);
+            _mm512_store_ps(pj[u] + 16 * v, pr);
           }
-          l[g][r] = l[g][r] * corr + _mm512_reduce_add_ps(psum);
+          l[g][r] = l[g][r] * corr[u] + _mm512_reduce_add_ps(psum);
           m[g][r] = m_new;
-          __m512 a[C];
-          const __m512 cv = _mm512_set1_ps(corr);
-          for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[g][r] + 16 * c), cv);
+        }
+        // P @ V for the 4 rows together, 4 value chunks (64 dims) at a time
+#if defined(__AVX512BF16__)
+        alignas(64) uint32_t pp[4][KB / 2 < 16 ? 16 : KB / 2];  // p as bf16 key pairs (one full store each 32 keys)
+        if constexpr (kPairs) {
+          for (int u = 0; u < 4; ++u)
+            for (int v = 0; v < NV; v += 2) {
+              const __m512 hi = v + 1 < NV ? _mm512_load_ps(pj[u] + 16 * (v + 1)) : _mm512_setzero_ps();
+              _mm512_store_si512(pp[u] + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_load_ps(pj[u] + 16 * v)));
+            }
+        }
+#endif
+        for (int c0 = 0; c0 < C; c0 += 4) {
+          __m512 a[4][4];
+          for (int u = 0; u < 4; ++u) {
+            const __m512 cv = _mm512_set1_ps(corr[u]);
+            for (int c = 0; c < 4; ++c) a[u][c] = _mm512_mul_ps(_mm512_load_ps(acc[g][r0 + u] + 16 * (c0 + c)), cv);
+          }
           if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-            alignas(64) uint32_t pp[KB / 2 < 16 ? 16 : KB / 2];  // p as bf16 key pairs (one full store each 32 keys)
-            for (int v = 0; v < NV; v += 2) {
-              const __m512 hi = v + 1 < NV ? _mm512_load_ps(pj + 16 * (v + 1)) : _mm512_setzero_ps();
-              _mm512_store_si512(pp + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_load_ps(pj + 16 * v)));
-            }
-            for (int64_t j2 = 0; j2 < (nk + 1) / 2; ++j2) {
-              const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[j2]));
-              for (int c = 0; c < C; ++c)
-                a[c] = _mm512_dpbf16_ps(a[c], pv, (__m512bh)_mm512_load_si512(vpair[j2] + 32 * c));
+            for (int64_t j2 = 0; j2 < (seen + 1) / 2; ++j2) {
+              __m512bh vv[4];
+              for (int c = 0; c < 4; ++c) vv[c] = (__m512bh)_mm512_load_si512(vpair[j2] + 32 * (c0 + c));
+              for (int u = 0; u < 4; ++u) {
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[u][j2]));
+                for (int c = 0; c < 4; ++c) a[u][c] = _mm512_dpbf16_ps(a[u][c], pv, vv[c]);
+              }
             }
 #endif
           } else {
-            for (int64_t j = 0; j < nk; ++j) {
-              const __m512 pv = _mm512_set1_ps(pj[j]);
-              for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vrow[j] + 16 * c), a[c]);
+            for (int64_t j = 0; j < seen; ++j) {
+              __m512 vv[4];
+              for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(vrow[j] + 16 * (c0 + c));
+              for (int u = 0; u < 4; ++u) {
+                const __m512 pv = _mm512_set1_ps(pj[u][j]);
+                for (int c = 0; c < 4; ++c) a[u][c] = _mm512_fmadd_ps(pv, vv[c], a[u][c]);
+              }
             }
           }
-          for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g][r] + 16 * c, a[c]);
+          for (int u = 0; u < 4; ++u)
+            for (int c = 0; c < 4; ++c) _mm512_store_ps(acc[g][r0 + u] + 16 * (c0 + c), a[u][c]);
         }
       }
     }
@@ -1859,6 +1933,30 @@ inline Prefetcher next_group_fetch(const void* w, int64_t next, int64_t panels, 
                     std::min<int64_t>(kPanelsPerTile, panels - p0) * panel_bytes, steps);
 }
 
+// A panel GEMM's items for parallel_stealing: each group of kPanelsPerTile panels, cut into chunks of rows where
+// there are too few groups for an even share. One 64-column group of the 1536-deep down projection is ~0.2 ms
+// at 512 rows; with 9 groups on 2 threads the one left over kept the other thread idle that long, in every
+// such projection of a prefill. Chunk after chunk of one group run back to back, so its panels stay in L2.
+struct PanelItems {
+  static constexpr int64_t kPerThread = 16;   // items wanted per thread
+  static constexpr int64_t kMinRows = 8 * kRowsPerTile;
+  int64_t groups, chunks = 1, chunk_rows;
+  PanelItems(int64_t M, int64_t panels) : groups((panels + kPanelsPerTile - 1) / kPanelsPerTile), chunk_rows(M) {
+    const int64_t want = (kPerThread * at::get_num_threads() + groups - 1) / groups;
+    const int64_t split = std::min<int64_t>(want, M / kMinRows);
+    if (split > 1) {
+      chunk_rows = ((M + split - 1) / split + kRowsPerTile - 1) / kRowsPerTile * kRowsPerTile;
+      chunks = (M + chunk_rows - 1) / chunk_rows;
+    }
+  }
+  int64_t count() const { return groups * chunks; }
+  int64_t group(int64_t item) const { return item / chunks; }
+  int64_t row0(int64_t item) const { return item % chunks * chunk_rows; }
+  int64_t rows(int64_t item, int64_t M) const { return std::min(chunk_rows, M - row0(item)); }
+  // the group to fetch while `item` computes: the next item's, when that is another group (else -1)
+  int64_t fetch(int64_t item, int64_t next) const { return next >= 0 && group(next) != group(item) ? group(next) : -1; }
+};
+
 // Rows [0, M) in tiles of kRowsPerTile: tile(std::integral_constant<int, MR>, m) for each tile's first row m
 // and its row count MR (the last tile's may be fewer), so the tile kernels take MR as a template argument.
 template <class F>
@@ -2103,35 +2201,42 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n
   }
 #endif
   const int64_t panel_bytes = K2 * (i8 ? 32 : 64), tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t groups = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
+  const PanelItems items(M, panels);
   struct Scratch {
     std::vector<uint16_t> widened;
+    int64_t group = -1;  // the group `widened` holds
   };
-  parallel_stealing<Scratch>(groups, [&](Scratch& scratch, int64_t g, int64_t next) {
-    const int64_t p0 = g * kPanelsPerTile;
+  parallel_stealing<Scratch>(items.count(), [&](Scratch& scratch, int64_t it, int64_t next) {
+    const int64_t g = items.group(it), p0 = g * kPanelsPerTile, m0 = items.row0(it), rows = items.rows(it, M);
     const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
+    const uint16_t* x0 = xp + m0 * xs;
+    uint16_t* o0 = op + m0 * n;
     // the next group of this thread's panels, while several tiles compute this one (with one tile the
     // hardware prefetcher streams the weights better alone: measured)
     if (tiles == 1) {
       NoPrefetch none;
       if (i8) {
-        bf16_rows<true>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
+        bf16_rows<true>(rows, nr, x0, xs, wp, K2, p0, n, o0, n, scale, bp, none);
       } else {
-        bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
+        bf16_rows<false>(rows, nr, x0, xs, wp, K2, p0, n, o0, n, scale, bp, none);
       }
       return;
     }
-    Prefetcher pf = next_group_fetch(wp, next, panels, panel_bytes, tiles * K2);
+    Prefetcher pf = next_group_fetch(wp, items.fetch(it, next), panels, panel_bytes,
+                                     (rows + kRowsPerTile - 1) / kRowsPerTile * K2);
     if (!i8) {
-      bf16_rows<false>(M, nr, xp, xs, wp, K2, p0, n, op, n, scale, bp, pf);
+      bf16_rows<false>(rows, nr, x0, xs, wp, K2, p0, n, o0, n, scale, bp, pf);
     } else {
       std::vector<uint16_t>& widened = scratch.widened;
-      widened.resize(static_cast<size_t>(nr * K2 * 32));
-      const int8_t* src = static_cast<const int8_t*>(wp) + p0 * K2 * 32;
-      for (int64_t k2 = 0; k2 < nr * K2; ++k2)
-        _mm512_storeu_si512(widened.data() + k2 * 32, panel_pairs<true>(src, k2));
+      if (scratch.group != g) {  // once per group, whatever its chunks of rows
+        widened.resize(static_cast<size_t>(nr * K2 * 32));
+        const int8_t* src = static_cast<const int8_t*>(wp) + p0 * K2 * 32;
+        for (int64_t k2 = 0; k2 < nr * K2; ++k2)
+          _mm512_storeu_si512(widened.data() + k2 * 32, panel_pairs<true>(src, k2));
+        scratch.group = g;
+      }
       // the buffer holds panels p0 .. p0 + nr - 1 as panels 0 .. nr - 1: shift the output and scales
-      bf16_rows<false>(M, nr, xp, xs, widened.data(), K2, 0, n - p0 * 16, op + p0 * 16, n,
+      bf16_rows<false>(rows, nr, x0, xs, widened.data(), K2, 0, n - p0 * 16, o0 + p0 * 16, n,
                        scale ? scale + p0 * 16 : nullptr, bp ? bp + p0 * 16 : nullptr, pf);
     }
   });
@@ -2299,10 +2404,10 @@ void w8a8_tile_nr(int nr, const int8_t* xq, int64_t K, const float* sx, const in
 }
 
 template <class PF>
-void w8a8_rows(int64_t M, int nr, const RowsI8& r, int64_t K, const uint8_t* w, int64_t K4, int64_t p0, int64_t n,
-               uint16_t* op, const float* scale, const float* bias, PF& pf) {
-  for (int64_t m = 0; m < M; m += kRowsPerTile) {
-    const int64_t mr = std::min<int64_t>(kRowsPerTile, M - m);
+void w8a8_rows(int64_t m0, int64_t m1, int nr, const RowsI8& r, int64_t K, const uint8_t* w, int64_t K4, int64_t p0,
+               int64_t n, uint16_t* op, const float* scale, const float* bias, PF& pf) {
+  for (int64_t m = m0; m < m1; m += kRowsPerTile) {
+    const int64_t mr = std::min<int64_t>(kRowsPerTile, m1 - m);
     const int8_t* xq = r.q.data() + m * K;
     const float* sx = r.scale.data() + m;
     const int32_t* xsum = r.sum.data() + m;
@@ -2503,16 +2608,18 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
 #endif
   const int64_t K4 = K / 4, panels = w.size(0), panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
-  parallel_stealing((panels + kPanelsPerTile - 1) / kPanelsPerTile, [&](int64_t g, int64_t next) {
-    const int64_t p0 = g * kPanelsPerTile;
+  const PanelItems items(M, panels);
+  parallel_stealing(items.count(), [&](int64_t it, int64_t next) {
+    const int64_t p0 = items.group(it) * kPanelsPerTile, m0 = items.row0(it), m1 = m0 + items.rows(it, M);
     const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
     if (tiles == 1) {
       NoPrefetch none;
-      w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, none);
+      w8a8_rows(m0, m1, nr, rows, K, wp, K4, p0, n, op, scale, bp, none);
       return;
     }
-    Prefetcher pf = next_group_fetch(wp, next, panels, panel_bytes, tiles * K4);
-    w8a8_rows(M, nr, rows, K, wp, K4, p0, n, op, scale, bp, pf);
+    Prefetcher pf = next_group_fetch(wp, items.fetch(it, next), panels, panel_bytes,
+                                     (m1 - m0 + kRowsPerTile - 1) / kRowsPerTile * K4);
+    w8a8_rows(m0, m1, nr, rows, K, wp, K4, p0, n, op, scale, bp, pf);
   });
   return out;
 #endif
@@ -2726,25 +2833,33 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   struct Scratch {
     std::vector<uint16_t> widened;
+    int64_t group = -1;  // the group `widened` holds
   };
-  parallel_stealing<Scratch>((P + kPanelsPerTile - 1) / kPanelsPerTile, [&](Scratch& scratch, int64_t g, int64_t) {
-    const int64_t p0 = g * kPanelsPerTile;
+  const PanelItems items(M, P);
+  parallel_stealing<Scratch>(items.count(), [&](Scratch& scratch, int64_t it, int64_t) {
+    const int64_t g = items.group(it), p0 = g * kPanelsPerTile, m0 = items.row0(it), rows = items.rows(it, M);
     const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, P - p0));
+    const uint16_t* x0 = xp + m0 * xs;
+    uint16_t* o0 = op + m0 * n;
+    const float* xsum0 = xsum.data() + m0 * G;
     if (M <= kRowsPerTile) {
-      int4_rows<false>(M, nr, xp, xs, wp, K4, G, tpg, p0, n, op, n, szp, 2 * n, xsum.data(), bp);
+      int4_rows<false>(rows, nr, x0, xs, wp, K4, G, tpg, p0, n, o0, n, szp, 2 * n, xsum0, bp);
       return;
     }
-    // many rows: widen the group's nibbles once (panels p0.. as 0..), then every tile reads bf16
+    // many rows: widen the group's nibbles once (panels p0.. as 0..), then every tile of its chunks reads bf16
     std::vector<uint16_t>& widened = scratch.widened;
-    widened.resize(static_cast<size_t>(nr * K4 * 64));
-    for (int64_t t = 0; t < nr * K4; ++t) {
-      __m512i a, b;
-      int4_pairs(wp + (p0 * K4 + t) * 32, a, b);
-      _mm512_storeu_si512(widened.data() + t * 64, a);
-      _mm512_storeu_si512(widened.data() + t * 64 + 32, b);
+    if (scratch.group != g) {
+      widened.resize(static_cast<size_t>(nr * K4 * 64));
+      for (int64_t t = 0; t < nr * K4; ++t) {
+        __m512i a, b;
+        int4_pairs(wp + (p0 * K4 + t) * 32, a, b);
+        _mm512_storeu_si512(widened.data() + t * 64, a);
+        _mm512_storeu_si512(widened.data() + t * 64 + 32, b);
+      }
+      scratch.group = g;
     }
-    int4_rows<true>(M, nr, xp, xs, widened.data(), K4, G, tpg, 0, n - p0 * 16, op + p0 * 16, n,
-                    szp + 2 * p0 * 16, 2 * n, xsum.data(), bp ? bp + p0 * 16 : nullptr);
+    int4_rows<true>(rows, nr, x0, xs, widened.data(), K4, G, tpg, 0, n - p0 * 16, o0 + p0 * 16, n,
+                    szp + 2 * p0 * 16, 2 * n, xsum0, bp ? bp + p0 * 16 : nullptr);
   });
   return out;
 #else
@@ -2909,18 +3024,19 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t panel_bytes = K * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t groups = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
-  parallel_stealing(groups, [&](int64_t g, int64_t next) {
-    const int64_t p0 = g * kPanelsPerTile;
+  const PanelItems items(M, panels);
+  parallel_stealing(items.count(), [&](int64_t it, int64_t next) {
+    const int64_t p0 = items.group(it) * kPanelsPerTile, m0 = items.row0(it), rows = items.rows(it, M);
     const int nr = static_cast<int>(std::min<int64_t>(kPanelsPerTile, panels - p0));
     // as panel_linear_bf16: the next group of this thread's panels fetched while several tiles compute this one
     if (tiles == 1) {
       NoPrefetch none;
-      f32_rows(M, nr, xp, xs, wp, K, p0, n, op, bp, none);
+      f32_rows(rows, nr, xp + m0 * xs, xs, wp, K, p0, n, op + m0 * n, bp, none);
       return;
     }
-    Prefetcher pf = next_group_fetch(wp, next, panels, panel_bytes, tiles * K);
-    f32_rows(M, nr, xp, xs, wp, K, p0, n, op, bp, pf);
+    Prefetcher pf = next_group_fetch(wp, items.fetch(it, next), panels, panel_bytes,
+                                     (rows + kRowsPerTile - 1) / kRowsPerTile * K);
+    f32_rows(rows, nr, xp + m0 * xs, xs, wp, K, p0, n, op + m0 * n, bp, pf);
   });
   return out;
 #elif defined(LORAPLEX_F32_AVX2)
