@@ -3,7 +3,7 @@
 //
 //   decode_attention   paged attention of one query token per sequence, reading keys and values in
 //                      place through the block table (the torch path gathers them into a copy first)
-//   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 16 queries x
+//   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 32 queries x
 //                      64 keys (16 at head_dim 128), online softmax, keys transposed once per block
 //                      (bf16: as k pairs for bf16 dot products; AVX-512 only)
 //   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
