@@ -243,8 +243,8 @@ def paged_attention_native(
     plan: StepAttentionPlan | None = None,
 ) -> torch.Tensor:
     """The CPU path with the native kernels (kernels/native_cpu.py): decode rows read the paged cache in
-    place; prefill chunks run flash-style over it (blocks of 32 queries x 64 keys, 16 at head_dim 128, online softmax), both
-    in fp32 throughout. Same semantics as the reference (which rounds bf16 probabilities first)."""
+    place; prefill chunks run flash-style over it (blocks of 32 queries x 64 keys, 16 at head_dim 128,
+    online softmax), both in fp32 throughout. Same semantics as the reference (which rounds bf16 probabilities first)."""
     if plan is None:
         plan = StepAttentionPlan.build(block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window)
     decode_out = None
