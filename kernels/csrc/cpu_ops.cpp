@@ -5,7 +5,8 @@
 //                      place through the block table (the torch path gathers them into a copy first)
 //   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 32 queries x
 //                      64 keys (16 at head_dim 128), online softmax, keys transposed once per block
-//                      (bf16: as k pairs for bf16 dot products; AVX-512 only)
+//                      (bf16: as k pairs for bf16 dot products, or AMX tile products where the CPU has
+//                      them; AVX-512 only)
 //   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
 //   silu_mul           silu(x[:, :I]) * x[:, I:] of a fused gate/up projection
 //   rope_store_kv      rotate q and k in place (rotate-half RoPE), then write k and v into their cache slots
@@ -865,6 +866,59 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// ---- AMX tiles: the process's permission and the tile configuration -----------------------------------
+namespace amx {
+
+constexpr int64_t kMinRows = 4;  // fewer rows: the AVX-512 tiles (decode sizes stream the weights either way)
+
+#if defined(LORAPLEX_AMX)
+// Linux gives a process the 8 KB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool permitted() {
+  static const bool ok = [] {
+    constexpr int kReqPerm = 0x1023, kGetPerm = 0x1022, kXtiledata = 18;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;
+    if (syscall(SYS_arch_prctl, kGetPerm, &granted) != 0) return false;
+    return (granted & (1ul << kXtiledata)) != 0;
+  }();
+  return ok;
+}
+#else
+bool permitted() { return false; }
+#endif
+
+// set_amx(false), or LORAPLEX_AMX=0 in the environment: the AVX-512 tiles everywhere (tests, A/B measurements)
+std::atomic<bool> wanted{[] {
+  const char* env = std::getenv("LORAPLEX_AMX");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
+
+inline bool use(int64_t M) { return M >= kMinRows && wanted.load(std::memory_order_relaxed) && permitted(); }
+
+#if defined(LORAPLEX_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. Loaded at the start of each thread's share: the tile configuration is per
+// thread and other libraries (oneDNN) load their own between our calls.
+struct Tiles {
+  Tiles() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+  }
+  ~Tiles() { _tile_release(); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+
+#endif
+
+}  // namespace amx
+
 // ---- prefill_attention ------------------------------------------------------------------------------------
 bool has_prefill_attention() {
 #if defined(__AVX512F__)
@@ -1157,6 +1211,171 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
     }
 }
 
+#if defined(LORAPLEX_AMX)
+// prefill_item's bf16 twin on AMX tiles, for bf16 q and caches: per block of 64 keys and each 16-row tile of
+// the item, S = q K^T by tile products over the keys transposed as k pairs (the B operand: 16 k pairs x 16
+// keys per tile), the online softmax on S in AVX-512 as above, then P @ V by tile products over the values
+// as key pairs (P rounded to bf16, 32 keys per A row), added to acc after acc's rescale. Tiles: C 0 .. 3,
+// A 4, B 5 and 6.
+template <int C>
+void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_t Hq, const bf16* k_base,
+                      const bf16* v_base, int64_t block_stride, int64_t slot_stride, const int32_t* table,
+                      int64_t block_size, int64_t start, int64_t i0, int64_t i1, int64_t h, int64_t G, float scale,
+                      int64_t window) {
+  constexpr int D = 16 * C, W = D / 2, KB = 64;
+  const int64_t rows = i1 - i0;
+  amx::Tiles tiles;
+  alignas(64) bf16 qb[kMaxGroup][kPrefillRows][D];
+  alignas(64) float acc[kMaxGroup][kPrefillRows][D];
+  float m[kMaxGroup][kPrefillRows], l[kMaxGroup][kPrefillRows];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < kPrefillRows; ++r) {  // rows past the item's are zeros, computed but never stored
+      if (r < rows) std::memcpy(qb[g][r], qp + (i0 + r) * qs0 + (h * G + g) * qs1, D * sizeof(bf16));
+      else std::memset(qb[g][r], 0, D * sizeof(bf16));
+      std::memset(acc[g][r], 0, D * sizeof(float));
+      m[g][r] = -std::numeric_limits<float>::infinity();
+      l[g][r] = 0.f;
+    }
+  const int64_t last = start + i1 - 1;
+  const int64_t first_lo = window > 0 ? std::max<int64_t>(0, start + i0 - window + 1) : 0;
+  alignas(64) uint32_t kt[W][KB];        // k pairs x keys: the S products' B operand, 16 pairs a tile
+  alignas(64) uint16_t vpair[KB / 2][2 * D];  // key pairs x dims (as prefill_item's): P @ V's B operand
+  alignas(64) float s[16][KB];
+  alignas(64) bf16 p[16][KB];
+  alignas(64) float pv[16][D];
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
+    const int64_t nk = std::min<int64_t>(KB, last + 1 - j0);
+    const bf16* krow[KB];
+    const bf16* vrow[KB];
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = j0 + j;
+      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+      krow[j] = k_base + slot;
+      vrow[j] = v_base + slot;
+    }
+    for (int v = 0; v < KB / 16; ++v)  // missing keys as zeros (their p is 0, and 0 x 0 stays 0)
+      for (int w0 = 0; w0 < W; w0 += 16) {
+        __m512i in[16], tr[16];
+        for (int j = 0; j < 16; ++j)
+          in[j] = 16 * v + j < nk ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[16 * v + j]) + w0)
+                                  : _mm512_setzero_si512();
+        transpose16_epi32(in, tr);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[w0 + i] + 16 * v, tr[i]);
+      }
+    for (int64_t j2 = 0; j2 < KB / 2; ++j2) {
+      const int64_t ja = 2 * j2, jb = 2 * j2 + 1;
+      for (int ch = 0; ch < D / 32; ++ch) {
+        const __m512i a = ja < nk ? _mm512_loadu_si512(vrow[ja] + 32 * ch) : _mm512_setzero_si512();
+        const __m512i b = jb < nk ? _mm512_loadu_si512(vrow[jb] + 32 * ch) : _mm512_setzero_si512();
+        _mm512_store_si512(vpair[j2] + 64 * ch, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(vpair[j2] + 64 * ch + 32, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    __m512i keys[KB / 16];
+    for (int v = 0; v < KB / 16; ++v) keys[v] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)), lane);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int64_t nr = std::min<int64_t>(16, rows - r0);
+      if (j0 > start + i0 + r0 + nr - 1) continue;  // every key of the block is in these rows' future
+      for (int64_t g = 0; g < G; ++g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int st = 0; st < D / 32; ++st) {  // 32 dims (16 k pairs) a step
+          _tile_loadd(4, qb[g][r0] + 32 * st, D * sizeof(bf16));
+          _tile_loadd(5, kt[16 * st], KB * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, kt[16 * st] + 16, KB * 4);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, kt[16 * st] + 32, KB * 4);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, kt[16 * st] + 48, KB * 4);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, s[0], KB * 4);
+        _tile_stored(1, s[0] + 16, KB * 4);
+        _tile_stored(2, s[0] + 32, KB * 4);
+        _tile_stored(3, s[0] + 48, KB * 4);
+        float corr[16];
+        for (int u = 0; u < 16; ++u) {
+          const int64_t r = r0 + u, pos = start + i0 + r;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          corr[u] = 1.f;
+          if (u >= nr || j0 > pos || j0 + KB <= lo) {
+            std::memset(p[u], 0, sizeof(p[u]));
+            continue;
+          }
+          __m512 s_row[KB / 16];
+          __mmask16 valid[KB / 16];
+          __m512 mx = neg_inf;
+          for (int v = 0; v < KB / 16; ++v) {
+            valid[v] = _mm512_cmple_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(pos)));
+            valid[v] &= _mm512_cmpge_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(lo)));
+            s_row[v] = _mm512_mask_blend_ps(valid[v], neg_inf, _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v),
+                                                                              _mm512_set1_ps(scale)));
+            mx = _mm512_max_ps(mx, s_row[v]);
+          }
+          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));
+          corr[u] = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
+          __m512 psum = _mm512_setzero_ps();
+          __m512 pr[KB / 16];
+          for (int v = 0; v < KB / 16; ++v) {
+            pr[v] = _mm512_maskz_mov_ps(valid[v], exp16(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new))));
+            psum = _mm512_add_ps(psum, pr[v]);
+          }
+          for (int v = 0; v < KB / 16; v += 2)  // keys 16 v .. 16 v + 31 in order, as bf16
+            _mm512_store_si512(p[u] + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(pr[v + 1], pr[v]));
+          l[g][r] = l[g][r] * corr[u] + _mm512_reduce_add_ps(psum);
+          m[g][r] = m_new;
+        }
+        for (int c0 = 0; c0 < C; c0 += 4) {  // 64 dims a pass: C tiles 0 .. 3
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int st = 0; st < KB / 32; ++st) {  // 32 keys (16 key pairs) a step
+            _tile_loadd(4, p[0] + 32 * st, KB * sizeof(bf16));
+            _tile_loadd(5, vpair[16 * st] + 32 * c0, 2 * D * sizeof(uint16_t));
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, vpair[16 * st] + 32 * (c0 + 1), 2 * D * sizeof(uint16_t));
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, vpair[16 * st] + 32 * (c0 + 2), 2 * D * sizeof(uint16_t));
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, vpair[16 * st] + 32 * (c0 + 3), 2 * D * sizeof(uint16_t));
+            _tile_dpbf16ps(3, 4, 6);
+          }
+          _tile_stored(0, pv[0] + 16 * c0, D * sizeof(float));
+          _tile_stored(1, pv[0] + 16 * (c0 + 1), D * sizeof(float));
+          _tile_stored(2, pv[0] + 16 * (c0 + 2), D * sizeof(float));
+          _tile_stored(3, pv[0] + 16 * (c0 + 3), D * sizeof(float));
+        }
+        for (int u = 0; u < nr; ++u) {
+          const __m512 cv = _mm512_set1_ps(corr[u]);
+          float* a = acc[g][r0 + u];
+          for (int c = 0; c < C; ++c)
+            _mm512_store_ps(a + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(a + 16 * c), cv, _mm512_load_ps(pv[u] + 16 * c)));
+        }
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < rows; ++r) {  // acc's dims back in order (see prefill_item's vpair)
+      const __m512 inv = _mm512_set1_ps(l[g][r] > 0.f ? 1.f / l[g][r] : 0.f);
+      bf16* dst = op + (i0 + r) * Hq * D + (h * G + g) * D;
+      for (int ch = 0; ch < D / 32; ++ch) {
+        const __m512 lo = _mm512_load_ps(acc[g][r] + 32 * ch), hi = _mm512_load_ps(acc[g][r] + 32 * ch + 16);
+        const __m512 y0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv);
+        const __m512 y1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv);
+        _mm512_storeu_si512(dst + 32 * ch, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
+      }
+    }
+}
+#endif
+
 template <typename Q, typename KV>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& table, int64_t seq_len, double scale, int64_t window, at::Tensor& out) {
@@ -1169,12 +1388,26 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int32_t* tp = table.data_ptr<int32_t>();
   const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
   const float sc = static_cast<float>(scale);
+  [[maybe_unused]] const bool amx_tiles = amx::use(n);
   parallel_stealing(Hkv * items_per_head, [&](int64_t item, int64_t) {
     // causal rows cost more the later they are: alternate early and late row blocks, so the contiguous
     // shares each thread starts with hold about the same work
     const int64_t h = item % Hkv, t = item / Hkv;
     const int64_t blk = t % 2 == 0 ? t / 2 : items_per_head - 1 - t / 2;
     const int64_t i0 = blk * kPrefillRows, i1 = std::min<int64_t>(n, i0 + kPrefillRows);
+#if defined(LORAPLEX_AMX)
+    if constexpr (std::is_same_v<Q, bf16> && std::is_same_v<KV, bf16>) {
+      if (amx_tiles) {
+        if (D == 64)
+          prefill_item_amx<4>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp,
+                              k_cache.size(1), start, i0, i1, h, G, sc, window);
+        else
+          prefill_item_amx<8>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp,
+                              k_cache.size(1), start, i0, i1, h, G, sc, window);
+        return;
+      }
+    }
+#endif
     if (D == 64) {
       prefill_item<Q, KV, 4>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
                              start, i0, i1, h, G, sc, window);
@@ -1984,7 +2217,7 @@ void bf16_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w,
 }
 #endif
 
-// ---- AMX tiles ---------------------------------------------------------------------------------------------
+// ---- AMX tile GEMMs ---------------------------------------------------------------------------------------
 // The panels are already the tile products' B operand: 16 k pairs (bf16) or 16 k quads (int8 quads) of one
 // panel are 16 rows of 64 bytes, the layout TDPBF16PS and TDPBSUD read. A is 16 rows of x (32 bf16 or 64
 // int8 k each), C a 16 x 16 fp32 / int32 block. A block of up to 2 x 16 rows x 2 panels keeps four C tiles,
@@ -1992,52 +2225,7 @@ void bf16_rows(int64_t M, int nr, const uint16_t* xp, int64_t xs, const void* w,
 // and, for each, every row block, so the pair's weights stay in L2 while x streams past them.
 namespace amx {
 
-constexpr int64_t kMinRows = 4;  // fewer rows: the AVX-512 tiles (decode sizes stream the weights either way)
-
 #if defined(LORAPLEX_AMX)
-// Linux gives a process the 8 KB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool permitted() {
-  static const bool ok = [] {
-    constexpr int kReqPerm = 0x1023, kGetPerm = 0x1022, kXtiledata = 18;
-    unsigned long granted = 0;
-    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;
-    if (syscall(SYS_arch_prctl, kGetPerm, &granted) != 0) return false;
-    return (granted & (1ul << kXtiledata)) != 0;
-  }();
-  return ok;
-}
-#else
-bool permitted() { return false; }
-#endif
-
-// set_amx(false), or LORAPLEX_AMX=0 in the environment: the AVX-512 tiles everywhere (tests, A/B measurements)
-std::atomic<bool> wanted{[] {
-  const char* env = std::getenv("LORAPLEX_AMX");
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}()};
-
-inline bool use(int64_t M) { return M >= kMinRows && wanted.load(std::memory_order_relaxed) && permitted(); }
-
-#if defined(LORAPLEX_AMX)
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes. Loaded at the start of each thread's share: the tile configuration is per
-// thread and other libraries (oneDNN) load their own between our calls.
-struct Tiles {
-  Tiles() {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-  }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-};
-
 // C tiles 0 .. 3 = (row block 0, panel 0), (0, 1), (1, 0), (1, 1), stored to c[4][16][16].
 template <int MT, int NT, bool I8>
 inline void block(const char* x, int64_t xs_bytes, const char* w0, const char* w1, int64_t steps, void* c) {

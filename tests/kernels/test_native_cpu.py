@@ -402,12 +402,21 @@ def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size):
     ([33, 1, 20], [33, 40, 100], None, 64, 3),  # fresh prompt, a decode row, a chunk over cached context
     ([50, 17], [90, 17], 9, 128, 4),
     ([16, 64], [16, 200], 1, 64, 1),
+    ([130, 45], [200, 45], None, 64, 2),  # several 64-key blocks and 32-row items, a partial last 16-row tile
+    ([77], [150], 70, 128, 2),  # a window wider than one block at head_dim 128
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", ["avx512", "amx"])
 def test_prefill_attention_matches_the_naive_reference(ops, paged_batch, dense_attention, query_lens, seq_lens,
-                                                       window, head_dim, group, dtype):
+                                                       window, head_dim, group, dtype, tiles, amx_off):
+    """bf16 chunks run on AMX tiles where the CPU has them (AVX-512 bf16 dot products otherwise, or with
+    set_amx(False)); fp32 ones always on AVX-512."""
     if not ops.has_prefill_attention():
         pytest.skip("no AVX-512 here: prefill chunks run in torch")
+    if tiles == "amx" and dtype == torch.float32:
+        pytest.skip("fp32 chunks have no tile path")
+    if tiles == "amx" and not ops.set_amx(True):
+        pytest.skip("this CPU (or its OS) has no AMX tiles")
     batch = paged_batch(query_lens, seq_lens, block_size=16, num_kv_heads=2, group=group, head_dim=head_dim,
                         dtype=dtype, seed=sum(seq_lens))
     scale = head_dim**-0.5
