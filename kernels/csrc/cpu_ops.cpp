@@ -1298,11 +1298,12 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
         _tile_stored(1, s[0] + 16, KB * 4);
         _tile_stored(2, s[0] + 32, KB * 4);
         _tile_stored(3, s[0] + 48, KB * 4);
-        float corr[16];
+        // per row: the new max, p and its sum; then the 16 rows' rescale factors in one exp16
+        alignas(64) float m_old[16], m_now[16], psums[16];
         for (int u = 0; u < 16; ++u) {
           const int64_t r = r0 + u, pos = start + i0 + r;
           const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-          corr[u] = 1.f;
+          m_old[u] = m_now[u] = psums[u] = 0.f;  // a row that sees no key of the block: corr 1, p 0
           if (u >= nr || j0 > pos || j0 + KB <= lo) {
             std::memset(p[u], 0, sizeof(p[u]));
             continue;
@@ -1317,8 +1318,7 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
                                                                               _mm512_set1_ps(scale)));
             mx = _mm512_max_ps(mx, s_row[v]);
           }
-          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));
-          corr[u] = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
+          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));  // finite: the row sees a key
           __m512 psum = _mm512_setzero_ps();
           __m512 pr[KB / 16];
           for (int v = 0; v < KB / 16; ++v) {
@@ -1327,9 +1327,14 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
           }
           for (int v = 0; v < KB / 16; v += 2)  // keys 16 v .. 16 v + 31 in order, as bf16
             _mm512_store_si512(p[u] + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(pr[v + 1], pr[v]));
-          l[g][r] = l[g][r] * corr[u] + _mm512_reduce_add_ps(psum);
-          m[g][r] = m_new;
+          m_old[u] = m[g][r];
+          m_now[u] = m[g][r] = m_new;
+          psums[u] = _mm512_reduce_add_ps(psum);
         }
+        // ~1e-38 on a row's first block (m_old = -inf, clamped): acc and l are still 0 then
+        alignas(64) float corr[16];
+        _mm512_store_ps(corr, exp16(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_now))));
+        for (int u = 0; u < nr; ++u) l[g][r0 + u] = l[g][r0 + u] * corr[u] + psums[u];
         for (int c0 = 0; c0 < C; c0 += 4) {  // 64 dims a pass: C tiles 0 .. 3
           _tile_zero(0);
           _tile_zero(1);
@@ -1533,6 +1538,89 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 #endif
 }
 
+// 16 lanes of float or bf16 rows: masked loads and stores (bf16 rounded as torch rounds) for row tails
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16m(const bf16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16m(bf16* p, __m512 v, __mmask16 m) {  // round to nearest even, NaN stays NaN, as torch
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+// v rounded to T and widened back (what storing and reloading it gives)
+inline __m512 rounded16(__m512 v, const float*) { return v; }
+inline __m512 rounded16(__m512 v, const bf16*) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
+// 4 rows, 16-lane partial sums in registers, one hsum16 per tile.
+template <typename T, int M>
+void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, float scale, float* out,
+                      int64_t out_stride) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < r; j0 += 4) {
+    const T* ar[4];
+    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    for (int64_t k = 0; k < h_in; k += 16) {
+      const __mmask16 lanes = first_lanes(h_in - k);
+      __m512 av[4];
+      for (int jj = 0; jj < 4; ++jj) av[jj] = load16m(ar[jj] + k, lanes);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = load16m(xr[m] + k, lanes);
+        for (int jj = 0; jj < 4; ++jj) acc[m * 4 + jj] = _mm512_fmadd_ps(xv, av[jj], acc[m * 4 + jj]);
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The bf16 twin: x_m and A[j] as k pairs straight into VDPBF16PS (32 products an instruction, no widening),
+// fp32 sums; a masked tail loads zeros past h_in.
+template <int M>
+void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
+                           int64_t out_stride) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < r; j0 += 4) {
+    const bf16* ar[4];
+    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    for (int64_t k = 0; k < h_in; k += 32) {
+      const int64_t left = h_in - k;
+      const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
+      __m512i av[4];
+      for (int jj = 0; jj < 4; ++jj) av[jj] = _mm512_maskz_loadu_epi16(lanes, ar[jj] + k);
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
+        for (int jj = 0; jj < 4; ++jj)
+          acc[m * 4 + jj] = _mm512_dpbf16_ps(acc[m * 4 + jj], (__m512bh)xv, (__m512bh)av[jj]);
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
+  }
+}
+#endif
+
 // ---- add_rms_norm: residual (+)= delta in place; returns weight * rmsnorm(residual) ----------------------
 template <typename T>
 void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::Tensor& weight, double eps,
@@ -1548,6 +1636,29 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::
     std::vector<float> xf(static_cast<size_t>(H));
     for (int64_t r = begin; r < end; ++r) {
       T* x = rp + r * rs;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // 16 lanes at a time, the tail masked; the squares summed per lane, then across
+      const T* dr = dp ? dp + r * ds : nullptr;
+      __m512 ssv = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = H - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (H - i)) - 1);
+        __m512 v = load16m(x + i, m);
+        if (dr) {
+          v = rounded16(_mm512_add_ps(v, load16m(dr + i, m)), x);  // rounded as torch's x + delta
+          store16m(x + i, v, m);
+        }
+        _mm512_mask_storeu_ps(xf.data() + i, m, v);
+        ssv = _mm512_fmadd_ps(v, v, ssv);
+      }
+      const __m512 inv = _mm512_set1_ps(
+          1.f / std::sqrt(_mm512_reduce_add_ps(ssv) / static_cast<float>(H) + static_cast<float>(eps)));
+      T* o = op + r * H;
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = H - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (H - i)) - 1);
+        const __m512 normed = rounded16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xf.data() + i), inv), o);
+        store16m(o + i, _mm512_mul_ps(load16m(wp + i, m), normed), m);  // the input dtype first, then the weight
+      }
+#else
       if (dp) {
         const T* dr = dp + r * ds;
         for (int64_t i = 0; i < H; ++i) x[i] = T(to_f(x[i]) + to_f(dr[i]));  // rounded as torch's x + delta
@@ -1565,6 +1676,7 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::
         from_f(xf[i] * inv, &normed);  // the input dtype first, then the weight: HF's LlamaRMSNorm
         from_f(to_f(wp[i]) * to_f(normed), o + i);
       }
+#endif
     }
   });
 }
@@ -1602,6 +1714,17 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const T* g = xp + r * xs;
       const T* u = g + I;
       T* o = op + r * I;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // 16 lanes at a time, the tail masked: the scalar loop's operations (silu in the input dtype, then the
+      // product: F.silu(g) * u)
+      const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __m512 gf = load16m(g + i, m);
+        const __m512 act = rounded16(_mm512_div_ps(gf, _mm512_add_ps(one, exp16(_mm512_xor_ps(gf, sign)))), o);
+        store16m(o + i, _mm512_mul_ps(act, load16m(u + i, m)), m);
+      }
+#else
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
         const float gf = to_f(g[i]);
@@ -1609,6 +1732,7 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
         from_f(gf / (1.f + fast_exp(-gf)), &act);  // silu in the input dtype, then the product: F.silu(g) * u
         from_f(to_f(act) * to_f(u[i]), o + i);
       }
+#endif
     }
   });
 }
@@ -1759,78 +1883,6 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16m(const bf16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16m(bf16* p, __m512 v, __mmask16 m) {  // round to nearest even, NaN stays NaN, as torch
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-
-// out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
-// 4 rows, 16-lane partial sums in registers, one hsum16 per tile.
-template <typename T, int M>
-void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, float scale, float* out,
-                      int64_t out_stride) {
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < r; j0 += 4) {
-    const T* ar[4];
-    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
-    __m512 acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = zero;
-    for (int64_t k = 0; k < h_in; k += 16) {
-      const __mmask16 lanes = first_lanes(h_in - k);
-      __m512 av[4];
-      for (int jj = 0; jj < 4; ++jj) av[jj] = load16m(ar[jj] + k, lanes);
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = load16m(xr[m] + k, lanes);
-        for (int jj = 0; jj < 4; ++jj) acc[m * 4 + jj] = _mm512_fmadd_ps(xv, av[jj], acc[m * 4 + jj]);
-      }
-    }
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-    for (int m = 0; m < M; ++m)
-      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
-  }
-}
-
-#if defined(__AVX512BF16__)
-// The bf16 twin: x_m and A[j] as k pairs straight into VDPBF16PS (32 products an instruction, no widening),
-// fp32 sums; a masked tail loads zeros past h_in.
-template <int M>
-void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
-                           int64_t out_stride) {
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < r; j0 += 4) {
-    const bf16* ar[4];
-    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
-    __m512 acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = zero;
-    for (int64_t k = 0; k < h_in; k += 32) {
-      const int64_t left = h_in - k;
-      const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
-      __m512i av[4];
-      for (int jj = 0; jj < 4; ++jj) av[jj] = _mm512_maskz_loadu_epi16(lanes, ar[jj] + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
-        for (int jj = 0; jj < 4; ++jj)
-          acc[m * 4 + jj] = _mm512_dpbf16_ps(acc[m * 4 + jj], (__m512bh)xv, (__m512bh)av[jj]);
-      }
-    }
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-    for (int m = 0; m < M; ++m)
-      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
-  }
-}
-#endif
 
 // y_m[c] += sum_j u[m, j] * bt[j, c] for M tokens, c < n (bt rows strided by bt_stride): 4 chunks of 16
 // columns x M tokens of accumulators, each y element read and rounded once.
@@ -2298,23 +2350,26 @@ inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64
 
 // x (M, K) with M a multiple of 16 (or padded to one), rows xs_bytes apart; `weights(pair, buffer)` gives the
 // B operand of panels 2 pair and 2 pair + 1 (the panels themselves, or a widened copy in `buffer`).
+// A thread's tile state and buffers, for all the items it runs (parallel_stealing's Scratch).
+struct Scratch {
+  Tiles tiles;
+  alignas(64) char c[4 * 1024];
+  std::vector<char> buffer;
+};
+
+// One item per panel pair, over parallel_stealing (a preempted thread delays only the pair it holds).
 template <bool I8, class Weights>
 void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t panels, int64_t N, Weights weights,
           uint16_t* out, const float* scale, const float* bias, const float* sx, const int32_t* xsum) {
   const int64_t Mp = (M + 15) / 16 * 16, pairs = (panels + 1) / 2, panel_bytes = steps * 1024;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    Tiles tiles;
-    alignas(64) char c[4 * 1024];
-    std::vector<char> buffer;
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t p = 2 * pair;
-      const int nt = static_cast<int>(std::min<int64_t>(2, panels - p));
-      const char* w0 = weights(pair, buffer);
-      for (int64_t m = 0; m < Mp; m += 32) {
-        const int mt = static_cast<int>(std::min<int64_t>(2, (Mp - m) / 16));
-        block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + panel_bytes, steps, c);
-        epilogue<I8>(c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
-      }
+  parallel_stealing<Scratch>(pairs, [&](Scratch& sc, int64_t pair, int64_t) {
+    const int64_t p = 2 * pair;
+    const int nt = static_cast<int>(std::min<int64_t>(2, panels - p));
+    const char* w0 = weights(pair, sc.buffer);
+    for (int64_t m = 0; m < Mp; m += 32) {
+      const int mt = static_cast<int>(std::min<int64_t>(2, (Mp - m) / 16));
+      block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + panel_bytes, steps, sc.c);
+      epilogue<I8>(sc.c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
     }
   });
 }
