@@ -71,6 +71,8 @@ class _Layer:
     # the native decode_layer op's weight arguments (kernels/csrc/cpu_ops.cpp), when every projection is in
     # native panels; None: the layer always runs op by op
     decode_args: tuple[Any, ...] | None = None
+    # gate_up's native operands (weight, scales) for the fused silu_linear op; None: linear, then silu_mul
+    gate_up_native: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def weights(self) -> list[Weight]:
         return [w for w in (self.input_norm, self.post_norm, self.qkv, self.qkv_bias, self.o, self.q_norm,
@@ -94,23 +96,29 @@ def _fuse(parts: list[Weight]) -> Weight:
     return concat(quantized)
 
 
+def _native_operands(w: Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, scales) as the native panel ops take them (kernels/csrc/cpu_ops.cpp's panel_linear): dense in
+    the activation dtype, or int8 / int4 panels (int8 quads for w8a8); None for any other weight."""
+    if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels" and w.dtype == dtype:
+        return w.packed, None
+    if isinstance(w, Int8Weight) and w.layout in ("panels", "quads") and w.scales.dtype == dtype:
+        return w.qweight, w.scales
+    if isinstance(w, Int4Weight) and w.layout == "panels" and w.scale_zeros.dtype == dtype:
+        return w.qweight, w.scale_zeros
+    return None
+
+
 def _decode_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """decode_layer's weight arguments for `layer`, or None unless all four projections are native panels
     (dense in the activation dtype, or int8 / int4 panels) and its norms share that dtype."""
     args: list[Any] = []
     widths: list[int] = []
     for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
-        if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels" and w.dtype == dtype:
-            args += [w.packed, None]
-            widths.append(w.shape[0])
-        elif isinstance(w, Int8Weight) and w.layout in ("panels", "quads") and w.scales.dtype == dtype:
-            args += [w.qweight, w.scales]
-            widths.append(w.shape[0])
-        elif isinstance(w, Int4Weight) and w.layout == "panels" and w.scale_zeros.dtype == dtype:
-            args += [w.qweight, w.scale_zeros]
-            widths.append(w.shape[0])
-        else:
+        operands = _native_operands(w, dtype)
+        if operands is None:
             return None
+        args += list(operands)
+        widths.append(w.shape[0])
         if name == "qkv":
             args.append(None if layer.qkv_bias is None else layer.qkv_bias.float().contiguous())
     if layer.post_norm.dtype != dtype:
@@ -156,6 +164,11 @@ class LlamaModel:
         if torch.device(device).type == "cpu":
             self._weights_to_huge_pages()
         self._decode_layer: Any = None  # torch.ops.loraplex_cpu.decode_layer where every layer has decode_args
+        self._silu_linear: Any = None  # torch.ops.loraplex_cpu.silu_linear where a layer has gate_up_native
+        if torch.device(device).type == "cpu" and (ops := native_cpu.ops()) is not None:
+            for layer in self.layers:
+                layer.gate_up_native = _native_operands(layer.gate_up, self.dtype)
+            self._silu_linear = ops.silu_linear.default
         if not cfg.qk_norm:
             for layer in self.layers:
                 layer.decode_args = _decode_args(layer, self.dtype)
@@ -303,10 +316,13 @@ class LlamaModel:
         if lora is not None:
             lora.add(i, "o", o_in, o)
         x, h = add_rms_norm(x, o, layer.post_norm, eps)
-        gate_up = linear(h, layer.gate_up)  # (T, 2I)
-        if lora is not None:
-            lora.add(i, "gate_up", h, gate_up)
-        act = silu_mul(gate_up)  # (T, I)
+        if lora is None and layer.gate_up_native is not None:  # one native call (fused on AMX tiles)
+            act = self._silu_linear(h, *layer.gate_up_native, layer.gate_up.shape[0])
+        else:
+            gate_up = linear(h, layer.gate_up)  # (T, 2I)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gate_up)
+            act = silu_mul(gate_up)  # (T, I)
         down = linear(act, layer.down)  # (T, H)
         if lora is not None:
             lora.add(i, "down", act, down)

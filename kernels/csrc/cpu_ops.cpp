@@ -2348,8 +2348,39 @@ inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64
   }
 }
 
-// x (M, K) with M a multiple of 16 (or padded to one), rows xs_bytes apart; `weights(pair, buffer)` gives the
-// B operand of panels 2 pair and 2 pair + 1 (the panels themselves, or a widened copy in `buffer`).
+// The fused gate/up projection's epilogue: C tiles (i, 0) hold gate columns q * 16 .., (i, 1) the up columns
+// (q + half) * 16 ..; each rounded to bf16 as epilogue stores them, then silu_mul's operations on them (silu
+// in bf16, then the product), so the I = 16 half columns of out equal silu_mul(the unfused output) bit for bit.
+template <bool I8>
+inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t q, int64_t half, uint16_t* out,
+                          int64_t os, const float* scale, const float* sx, const int32_t* xsum) {
+  const __m512 sg = scale ? _mm512_loadu_ps(scale + q * 16) : _mm512_set1_ps(1.f);
+  const __m512 su = scale ? _mm512_loadu_ps(scale + (q + half) * 16) : _mm512_set1_ps(1.f);
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  const bf16* as_bf16 = nullptr;  // rounded16's dtype tag
+  for (int i = 0; i < mt; ++i) {
+    const char* tg = static_cast<const char*>(c) + (i * 2) * 1024;
+    const char* tu = tg + 1024;
+    for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r) {
+      const int64_t row = m0 + i * 16 + r;
+      __m512 g, u;
+      if constexpr (I8) {
+        const __m512i fix = _mm512_set1_epi32(128 * xsum[row]);
+        const __m512 rs = _mm512_set1_ps(sx[row]);
+        g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(tg + r * 64), fix)), _mm512_mul_ps(sg, rs));
+        u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(tu + r * 64), fix)), _mm512_mul_ps(su, rs));
+      } else {
+        g = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tg + r * 64)), sg);
+        u = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tu + r * 64)), su);
+      }
+      g = rounded16(g, as_bf16);
+      u = rounded16(u, as_bf16);
+      const __m512 act = rounded16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_xor_ps(g, sign)))), as_bf16);
+      store16m(reinterpret_cast<bf16*>(out + row * os + q * 16), _mm512_mul_ps(act, u), static_cast<__mmask16>(0xFFFF));
+    }
+  }
+}
+
 // A thread's tile state and buffers, for all the items it runs (parallel_stealing's Scratch).
 struct Scratch {
   Tiles tiles;
@@ -2357,19 +2388,26 @@ struct Scratch {
   std::vector<char> buffer;
 };
 
-// One item per panel pair, over parallel_stealing (a preempted thread delays only the pair it holds).
-template <bool I8, class Weights>
+// x (M, K) with M a multiple of 16 (or padded to one), rows xs_bytes apart; `weights(pair, buffer)` gives the
+// B operand of panels 2 pair and 2 pair + 1 (the panels themselves, or a widened copy in `buffer`). One item
+// per panel pair, over parallel_stealing (a preempted thread delays only the pair it holds).
+// SILU: N = 2 I columns of a fused gate/up projection (I a multiple of 16, no bias) and out (M, I) =
+// silu_mul of the product; item q pairs gate panel q with up panel q + half, `weights(q, buffer)` gives panel q
+// and the up panel lies half panels after it.
+template <bool I8, bool SILU = false, class Weights>
 void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t panels, int64_t N, Weights weights,
           uint16_t* out, const float* scale, const float* bias, const float* sx, const int32_t* xsum) {
-  const int64_t Mp = (M + 15) / 16 * 16, pairs = (panels + 1) / 2, panel_bytes = steps * 1024;
-  parallel_stealing<Scratch>(pairs, [&](Scratch& sc, int64_t pair, int64_t) {
-    const int64_t p = 2 * pair;
-    const int nt = static_cast<int>(std::min<int64_t>(2, panels - p));
-    const char* w0 = weights(pair, sc.buffer);
+  const int64_t Mp = (M + 15) / 16 * 16, panel_bytes = steps * 1024, half = panels / 2;
+  const int64_t items = SILU ? half : (panels + 1) / 2, second = SILU ? half * panel_bytes : panel_bytes;
+  parallel_stealing<Scratch>(items, [&](Scratch& sc, int64_t item, int64_t) {
+    const int64_t p = 2 * item;
+    const int nt = SILU ? 2 : static_cast<int>(std::min<int64_t>(2, panels - p));
+    const char* w0 = weights(item, sc.buffer);
     for (int64_t m = 0; m < Mp; m += 32) {
       const int mt = static_cast<int>(std::min<int64_t>(2, (Mp - m) / 16));
-      block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + panel_bytes, steps, sc.c);
-      epilogue<I8>(sc.c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
+      block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + second, steps, sc.c);
+      if constexpr (SILU) epilogue_silu<I8>(sc.c, mt, m, M, item, half, out, N / 2, scale, sx, xsum);
+      else epilogue<I8>(sc.c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
     }
   });
 }
@@ -3346,6 +3384,52 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   return f32_linear(x, w, n, bias);
 }
 
+// silu_mul(panel_linear(x, w, scales, n)) for a fused gate/up projection of n = 2 I columns, no bias. On AMX
+// tiles (bf16 x over bf16 panels or w8a8 quads, I a multiple of 16) the product's epilogue computes silu_mul
+// from the bf16-rounded gate and up sums, so the (M, 2 I) product is never stored and the result equals the
+// unfused one bit for bit; elsewhere the two ops run in turn.
+at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n) {
+  TORCH_CHECK(n % 2 == 0, "silu_linear: n must be even (gate and up halves)");
+#if defined(LORAPLEX_AMX)
+  const int64_t M = x.size(0);
+  const bool fusable = x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && amx::use(M) &&
+                       n % 32 == 0 && w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == n;
+  const auto* xp = fusable ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  if (fusable && w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == x.size(1) && w.size(1) % 16 == 0 &&
+      !scales.has_value()) {
+    const int64_t K2 = w.size(1);
+    at::Tensor out = at::empty({M, n / 2}, x.options());
+    std::vector<char> copy;
+    int64_t stride = 0;
+    const char* xr = amx::padded_rows(reinterpret_cast<const char*>(xp), x.stride(0) * 2, M, K2 * 4, copy, stride);
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    auto weights = [&](int64_t q, std::vector<char>&) { return wp + q * K2 * 64; };
+    amx::gemm<false, true>(xr, stride, M, K2 / 16, w.size(0), n, weights, reinterpret_cast<uint16_t*>(out.data_ptr()),
+                           nullptr, nullptr, nullptr, nullptr);
+    return out;
+  }
+#if defined(LORAPLEX_W8A8_VNNI)
+  if (fusable && w.scalar_type() == at::kByte && w.size(3) == 4 && w.size(1) * 4 == x.size(1) && x.size(1) % 64 == 0 &&
+      scales.has_value() && scales->numel() == n && scales->is_contiguous() &&
+      (scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kBFloat16)) {
+    const int64_t K = x.size(1);
+    const at::Tensor sf = scales->to(at::kFloat).contiguous();
+    RowsI8 rows;
+    round_rows_i8(xp, x.stride(0), M, K, rows);
+    rows.q.resize(static_cast<size_t>((M + 15) / 16 * 16 * K));  // zero rows (scale and sum 0) to whole tiles
+    at::Tensor out = at::empty({M, n / 2}, x.options());
+    const char* base = reinterpret_cast<const char*>(w.data_ptr<uint8_t>());
+    auto weights = [&](int64_t q, std::vector<char>&) { return base + q * K * 16; };
+    amx::gemm<true, true>(reinterpret_cast<const char*>(rows.q.data()), K, M, K / 64, w.size(0), n, weights,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()), sf.data_ptr<float>(), nullptr,
+                          rows.scale.data(), rows.sum.data());
+    return out;
+  }
+#endif
+#endif
+  return silu_mul(panel_linear(x, w, scales, n, std::nullopt));
+}
+
 at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_s,
                         const std::optional<at::Tensor>& qkv_b, const at::Tensor& o_w, const std::optional<at::Tensor>& o_s,
                         const at::Tensor& gate_up_w, const std::optional<at::Tensor>& gate_up_s, const at::Tensor& down_w,
@@ -3396,9 +3480,14 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
   at::Tensor o = panel_linear(attn, o_w, o_s, ns[1], none);
   add_lora(1, o, attn);
   const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
-  at::Tensor gate_up = panel_linear(h2, gate_up_w, gate_up_s, ns[2], none);
-  add_lora(2, gate_up, h2);
-  const at::Tensor act = silu_mul(gate_up);
+  at::Tensor act;
+  if (first[2] < 0) {  // no adapter of the step touches gate/up: silu_mul fused into the product where it can be
+    act = silu_linear(h2, gate_up_w, gate_up_s, ns[2]);
+  } else {
+    at::Tensor gate_up = panel_linear(h2, gate_up_w, gate_up_s, ns[2], none);
+    add_lora(2, gate_up, h2);
+    act = silu_mul(gate_up);
+  }
   at::Tensor down = panel_linear(act, down_w, down_s, ns[3], none);
   add_lora(3, down, act);
   return add_rms_norm(x, down, next_norm, eps);
@@ -3414,6 +3503,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_prefill_attention() -> bool", &has_prefill_attention);
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("silu_linear(Tensor x, Tensor w, Tensor? scales, int n) -> Tensor");
   m.def("rope_store_kv(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, int num_q_heads, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots) -> ()");
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
@@ -3442,6 +3532,7 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("prefill_attention", &prefill_attention);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("silu_linear", &silu_linear);
   m.impl("rope_store_kv", &rope_store_kv);
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_linear", &int8_linear);

@@ -368,6 +368,37 @@ def test_amx_tiles_equal_the_avx512_tiles(ops, m, n, k):
                 torch.testing.assert_close(tiles.float(), avx512.float(), rtol=1e-2, atol=1e-2 * avx512.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [1, 4, 17, 32, 100])
+@pytest.mark.parametrize("tiles", ["avx512", "amx"])
+def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
+    """The fused gate/up op is silu_mul of the same kernel's product, bit for bit, for every weight kind the
+    decode layer takes (bf16, fp32, int8, int4 panels, w8a8 quads): on AMX tiles (bf16 panels and w8a8 quads)
+    its epilogue rounds the gate and up sums to bf16 as the product's store does, then runs silu_mul's
+    operations; elsewhere the two ops run in turn. I = 48 (three 16-column panels per half), K = 128."""
+    from engine.models.llama import _native_operands
+    from kernels.quant import linear, place, quantize_int4, quantize_int8
+
+    if tiles == "amx" and not ops.set_amx(True):
+        pytest.skip("this CPU (or its OS) has no AMX tiles")
+    g = torch.Generator().manual_seed(m)
+    n, k = 96, 128
+    w = torch.randn(n, k, generator=g) / k**0.5
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    cases = {"bf16": (dense_cpu.pack(w.bfloat16()), x),
+             "fp32": (dense_cpu.pack(w), x.float()),
+             "int8": (place(quantize_int8(w, torch.bfloat16), "cpu"), x),
+             "w8a8": (place(quantize_int8(w, torch.bfloat16, activations="int8"), "cpu"), x),
+             "int4": (place(quantize_int4(w, 32, torch.bfloat16), "cpu"), x)}
+    for name, (packed, xi) in cases.items():
+        operands = _native_operands(packed, xi.dtype)
+        if operands is None:
+            continue  # this CPU's build keeps that kind out of native panels
+        fused = ops.silu_linear(xi, *operands, n)
+        want = ops.silu_mul(linear(xi, packed))
+        assert fused.shape == (m, n // 2) and fused.dtype == xi.dtype, name
+        assert torch.equal(fused, want), name
+
+
 def test_set_amx_reports_whether_the_tiles_run(ops, amx_off):
     assert ops.set_amx(False) is False
     assert ops.set_amx(True) is ops.has_amx()
