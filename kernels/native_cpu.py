@@ -20,12 +20,18 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
     prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
         Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
         keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),
-        as decode_attention. AVX-512 builds only, head_dim 64 or 128 (has_prefill_attention).
+        as decode_attention. AVX-512 builds only, head_dim 64 or 128 (has_prefill_attention); bf16 q over
+        bf16 caches runs its two products on AMX tiles where the CPU has them (P rounded to bf16).
     add_rms_norm(residual, delta, weight, eps) -> out
         Semantics: residual += delta (in place, rounded to residual's dtype; skipped when delta is None),
         then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).
     silu_mul(x) -> (rows, I)
         Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
+    silu_linear(x, w, scales, n) -> (rows, n / 2)
+        Semantics: silu_mul(y) for y = x @ W.T of a fused gate/up projection W (n, K) in native panels
+        (any kind decode_layer takes), no bias; equal to the two ops bit for bit. On AMX tiles (bf16 x over
+        bf16 panels or w8a8 quads, n / 2 a multiple of 16) the product's epilogue computes it, so the
+        (rows, n) product is never written.
     bf16_linear / f32_linear / int8_linear / int4_linear / w8a8_linear, lora_add
         The panel GEMMs and the batched LoRA add: semantics in kernels.dense_cpu and kernels.lora_cpu.
         bf16 x (bf16, int8, int4 panels): AVX512-BF16 builds; float32 x (f32 and int8 panels): AVX-512 or

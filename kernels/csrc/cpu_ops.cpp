@@ -9,6 +9,8 @@
 //                      them; AVX-512 only)
 //   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
 //   silu_mul           silu(x[:, :I]) * x[:, I:] of a fused gate/up projection
+//   silu_linear        silu_mul of a fused gate/up projection's product, computed in the AMX tiles'
+//                      epilogue where they run (the (rows, 2I) product never stored), else op by op
 //   rope_store_kv      rotate q and k in place (rotate-half RoPE), then write k and v into their cache slots
 //   bf16_linear        y = x @ W.T (+ bias) for bf16 x and a bf16 weight packed once into 16-column
 //                      panels of K pairs (AVX512-BF16 dot products; built only where the compiler targets
