@@ -1565,62 +1565,6 @@ inline __m512 rounded16(__m512 v, const bf16*) {
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
 
-// out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
-// 4 rows, 16-lane partial sums in registers, one hsum16 per tile.
-template <typename T, int M>
-void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, float scale, float* out,
-                      int64_t out_stride) {
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < r; j0 += 4) {
-    const T* ar[4];
-    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
-    __m512 acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = zero;
-    for (int64_t k = 0; k < h_in; k += 16) {
-      const __mmask16 lanes = first_lanes(h_in - k);
-      __m512 av[4];
-      for (int jj = 0; jj < 4; ++jj) av[jj] = load16m(ar[jj] + k, lanes);
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = load16m(xr[m] + k, lanes);
-        for (int jj = 0; jj < 4; ++jj) acc[m * 4 + jj] = _mm512_fmadd_ps(xv, av[jj], acc[m * 4 + jj]);
-      }
-    }
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-    for (int m = 0; m < M; ++m)
-      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
-  }
-}
-
-#if defined(__AVX512BF16__)
-// The bf16 twin: x_m and A[j] as k pairs straight into VDPBF16PS (32 products an instruction, no widening),
-// fp32 sums; a masked tail loads zeros past h_in.
-template <int M>
-void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
-                           int64_t out_stride) {
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < r; j0 += 4) {
-    const bf16* ar[4];
-    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
-    __m512 acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = zero;
-    for (int64_t k = 0; k < h_in; k += 32) {
-      const int64_t left = h_in - k;
-      const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
-      __m512i av[4];
-      for (int jj = 0; jj < 4; ++jj) av[jj] = _mm512_maskz_loadu_epi16(lanes, ar[jj] + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
-        for (int jj = 0; jj < 4; ++jj)
-          acc[m * 4 + jj] = _mm512_dpbf16_ps(acc[m * 4 + jj], (__m512bh)xv, (__m512bh)av[jj]);
-      }
-    }
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-    for (int m = 0; m < M; ++m)
-      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
-  }
-}
 #endif
 
 // ---- add_rms_norm: residual (+)= delta in place; returns weight * rmsnorm(residual) ----------------------
@@ -1885,6 +1829,65 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
+// 4 rows, 16-lane partial sums in registers, one hsum16 per tile.
+template <typename T, int M>
+void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, float scale, float* out,
+                      int64_t out_stride) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < r; j0 += 4) {
+    const T* ar[4];
+    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    for (int64_t k = 0; k < h_in; k += 16) {
+      const __mmask16 lanes = first_lanes(h_in - k);
+      __m512 av[4];
+      for (int jj = 0; jj < 4; ++jj) av[jj] = load16m(ar[jj] + k, lanes);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = load16m(xr[m] + k, lanes);
+        for (int jj = 0; jj < 4; ++jj) acc[m * 4 + jj] = _mm512_fmadd_ps(xv, av[jj], acc[m * 4 + jj]);
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The bf16 twin: x_m and A[j] as k pairs straight into VDPBF16PS (32 products an instruction, no widening),
+// fp32 sums; a masked tail loads zeros past h_in.
+template <int M>
+void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
+                           int64_t out_stride) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < r; j0 += 4) {
+    const bf16* ar[4];
+    for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    for (int64_t k = 0; k < h_in; k += 32) {
+      const int64_t left = h_in - k;
+      const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
+      __m512i av[4];
+      for (int jj = 0; jj < 4; ++jj) av[jj] = _mm512_maskz_loadu_epi16(lanes, ar[jj] + k);
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
+        for (int jj = 0; jj < 4; ++jj)
+          acc[m * 4 + jj] = _mm512_dpbf16_ps(acc[m * 4 + jj], (__m512bh)xv, (__m512bh)av[jj]);
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
+  }
+}
+#endif
 
 // y_m[c] += sum_j u[m, j] * bt[j, c] for M tokens, c < n (bt rows strided by bt_stride): 4 chunks of 16
 // columns x M tokens of accumulators, each y element read and rounded once.
