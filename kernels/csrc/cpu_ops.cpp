@@ -973,6 +973,41 @@ inline void transpose16_epi32(const __m512i r[16], __m512i out[16]) {
   }
 }
 
+// Keys krow[0, nk) of a block of 16 nv (missing ones as zeros) transposed 16 keys x 16 32-bit words at a
+// time: row w of kt (ld words apart) holds word w (a k pair, or a float) of every key of the block.
+template <typename KV>
+inline void transpose_keys(const KV* const* krow, int64_t nk, int nv, int words, uint32_t* kt, int64_t ld) {
+  for (int v = 0; v < nv; ++v)
+    for (int w0 = 0; w0 < words; w0 += 16) {
+      __m512i in[16], tr[16];
+      for (int j = 0; j < 16; ++j)
+        in[j] = 16 * v + j < nk ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[16 * v + j]) + w0)
+                                : _mm512_setzero_si512();
+      transpose16_epi32(in, tr);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (w0 + i) * ld + 16 * v, tr[i]);
+    }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 value rows vrow[0, nk) (missing ones as zeros) as key pairs: row j2 of vpair (2 D halves apart) holds
+// rows 2 j2 and 2 j2 + 1 interleaved by unpacklo/hi per 32 dims, so a dot product over it leaves each 32
+// dims in the order {0-3, 8-11, 16-19, 24-27} then {4-7, 12-15, 20-23, 28-31} (put back by the caller).
+template <typename P>
+inline void pair_values(const P* const* vrow, int64_t nk, int64_t pairs, int D, uint16_t* vpair) {
+  for (int64_t j2 = 0; j2 < pairs; ++j2) {
+    const int64_t ja = 2 * j2, jb = 2 * j2 + 1;
+    for (int ch = 0; ch < D / 32; ++ch) {
+      const __m512i a = ja < nk ? _mm512_loadu_si512(reinterpret_cast<const bf16*>(vrow[ja]) + 32 * ch)
+                                : _mm512_setzero_si512();
+      const __m512i b = jb < nk ? _mm512_loadu_si512(reinterpret_cast<const bf16*>(vrow[jb]) + 32 * ch)
+                                : _mm512_setzero_si512();
+      _mm512_store_si512(vpair + j2 * 2 * D + 64 * ch, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(vpair + j2 * 2 * D + 64 * ch + 32, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+#endif
+
 // Rows [i0, i1) of one kv head's G query heads: out = softmax(q K^T) V over keys lo(row) .. pos(row).
 // Per block of keys: the keys transposed once for all the item's rows; then, 4 rows at a time, their scores,
 // their softmax bookkeeping, and P @ V for the 4 rows together (4 x 4 independent sums per value chunk: one
@@ -1045,34 +1080,14 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
         vrow[j] = reinterpret_cast<const float*>(v_base + slot);  // bf16 rows, paired below
       }
     }
-    if constexpr (kWords) {  // 16 keys x 16 words at a time, missing keys as zeros
-      for (int v = 0; v < NV; ++v)
-        for (int w0 = 0; w0 < W; w0 += 16) {
-          __m512i in[16], tr[16];
-          for (int j = 0; j < 16; ++j)
-            in[j] = 16 * v + j < nk ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[16 * v + j]) + w0)
-                                    : _mm512_setzero_si512();
-          transpose16_epi32(in, tr);
-          for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[w0 + i] + 16 * v, tr[i]);
-        }
+    if constexpr (kWords) {
+      transpose_keys(krow, nk, NV, W, reinterpret_cast<uint32_t*>(&kt[0][0]), KB);
     } else {
       for (int64_t j = 0; j < KB; ++j)
         for (int d = 0; d < D; ++d) kt[d][j] = j < nk ? to_f(krow[j][d]) : 0.f;
     }
 #if defined(__AVX512BF16__)
-    if constexpr (kPairs) {
-      for (int64_t j2 = 0; j2 < KB / 2; ++j2) {
-        const int64_t ja = 2 * j2, jb = 2 * j2 + 1;
-        for (int ch = 0; ch < D / 32; ++ch) {
-          const __m512i a = ja < nk ? _mm512_loadu_si512(reinterpret_cast<const bf16*>(vrow[ja]) + 32 * ch)
-                                    : _mm512_setzero_si512();
-          const __m512i b = jb < nk ? _mm512_loadu_si512(reinterpret_cast<const bf16*>(vrow[jb]) + 32 * ch)
-                                    : _mm512_setzero_si512();
-          _mm512_store_si512(vpair[j2] + 64 * ch, _mm512_unpacklo_epi16(a, b));
-          _mm512_store_si512(vpair[j2] + 64 * ch + 32, _mm512_unpackhi_epi16(a, b));
-        }
-      }
-    }
+    if constexpr (kPairs) pair_values(vrow, nk, KB / 2, D, &vpair[0][0]);
 #endif
     __m512i keys[NV];
     for (int v = 0; v < NV; ++v) keys[v] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)), lane);
@@ -1257,24 +1272,9 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
       krow[j] = k_base + slot;
       vrow[j] = v_base + slot;
     }
-    for (int v = 0; v < KB / 16; ++v)  // missing keys as zeros (their p is 0, and 0 x 0 stays 0)
-      for (int w0 = 0; w0 < W; w0 += 16) {
-        __m512i in[16], tr[16];
-        for (int j = 0; j < 16; ++j)
-          in[j] = 16 * v + j < nk ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[16 * v + j]) + w0)
-                                  : _mm512_setzero_si512();
-        transpose16_epi32(in, tr);
-        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[w0 + i] + 16 * v, tr[i]);
-      }
-    for (int64_t j2 = 0; j2 < KB / 2; ++j2) {
-      const int64_t ja = 2 * j2, jb = 2 * j2 + 1;
-      for (int ch = 0; ch < D / 32; ++ch) {
-        const __m512i a = ja < nk ? _mm512_loadu_si512(vrow[ja] + 32 * ch) : _mm512_setzero_si512();
-        const __m512i b = jb < nk ? _mm512_loadu_si512(vrow[jb] + 32 * ch) : _mm512_setzero_si512();
-        _mm512_store_si512(vpair[j2] + 64 * ch, _mm512_unpacklo_epi16(a, b));
-        _mm512_store_si512(vpair[j2] + 64 * ch + 32, _mm512_unpackhi_epi16(a, b));
-      }
-    }
+    // missing keys and values as zeros (their p is 0, and 0 x 0 stays 0)
+    transpose_keys(krow, nk, KB / 16, W, &kt[0][0], KB);
+    pair_values(vrow, nk, KB / 2, D, &vpair[0][0]);
     __m512i keys[KB / 16];
     for (int v = 0; v < KB / 16; ++v) keys[v] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)), lane);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
