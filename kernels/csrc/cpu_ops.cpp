@@ -1547,15 +1547,8 @@ inline __m512 load16m(const bf16* p, __mmask16 m) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline void store16m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16m(bf16* p, __m512 v, __mmask16 m) {  // round to nearest even, NaN stays NaN, as torch
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-// v rounded to T and widened back (what storing and reloading it gives)
+// v rounded to T and widened back (what storing and reloading it gives): bf16 to nearest even, NaN stays
+// NaN, as torch rounds
 inline __m512 rounded16(__m512 v, const float*) { return v; }
 inline __m512 rounded16(__m512 v, const bf16*) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -1563,6 +1556,17 @@ inline __m512 rounded16(__m512 v, const bf16*) {
   __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline void store16m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16m(bf16* p, __m512 v, __mmask16 m) {
+  const __m512i r = _mm512_castps_si512(rounded16(v, p));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+// silu(g) = g / (1 + exp(-g)) rounded to T: silu_mul's first op (F.silu in the input dtype)
+template <typename T>
+inline __m512 silu16(__m512 g, const T* tag) {
+  return rounded16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_xor_ps(g, _mm512_set1_ps(-0.f))))),
+                   tag);
 }
 
 #endif
@@ -1587,7 +1591,7 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::
       const T* dr = dp ? dp + r * ds : nullptr;
       __m512 ssv = _mm512_setzero_ps();
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = H - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (H - i)) - 1);
+        const __mmask16 m = first_lanes(H - i);
         __m512 v = load16m(x + i, m);
         if (dr) {
           v = rounded16(_mm512_add_ps(v, load16m(dr + i, m)), x);  // rounded as torch's x + delta
@@ -1600,7 +1604,7 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::
           1.f / std::sqrt(_mm512_reduce_add_ps(ssv) / static_cast<float>(H) + static_cast<float>(eps)));
       T* o = op + r * H;
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = H - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (H - i)) - 1);
+        const __mmask16 m = first_lanes(H - i);
         const __m512 normed = rounded16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xf.data() + i), inv), o);
         store16m(o + i, _mm512_mul_ps(load16m(wp + i, m), normed), m);  // the input dtype first, then the weight
       }
@@ -1663,12 +1667,9 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       // 16 lanes at a time, the tail masked: the scalar loop's operations (silu in the input dtype, then the
       // product: F.silu(g) * u)
-      const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
       for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
-        const __m512 gf = load16m(g + i, m);
-        const __m512 act = rounded16(_mm512_div_ps(gf, _mm512_add_ps(one, exp16(_mm512_xor_ps(gf, sign)))), o);
-        store16m(o + i, _mm512_mul_ps(act, load16m(u + i, m)), m);
+        const __mmask16 m = first_lanes(I - i);
+        store16m(o + i, _mm512_mul_ps(silu16(load16m(g + i, m), o), load16m(u + i, m)), m);
       }
 #else
 #pragma omp simd
@@ -2361,8 +2362,7 @@ inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t 
                           int64_t os, const float* scale, const float* sx, const int32_t* xsum) {
   const __m512 sg = scale ? _mm512_loadu_ps(scale + q * 16) : _mm512_set1_ps(1.f);
   const __m512 su = scale ? _mm512_loadu_ps(scale + (q + half) * 16) : _mm512_set1_ps(1.f);
-  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
-  const bf16* as_bf16 = nullptr;  // rounded16's dtype tag
+  auto* o = reinterpret_cast<bf16*>(out);
   for (int i = 0; i < mt; ++i) {
     const char* tg = static_cast<const char*>(c) + (i * 2) * 1024;
     const char* tu = tg + 1024;
@@ -2378,10 +2378,8 @@ inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t 
         g = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tg + r * 64)), sg);
         u = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tu + r * 64)), su);
       }
-      g = rounded16(g, as_bf16);
-      u = rounded16(u, as_bf16);
-      const __m512 act = rounded16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_xor_ps(g, sign)))), as_bf16);
-      store16m(reinterpret_cast<bf16*>(out + row * os + q * 16), _mm512_mul_ps(act, u), static_cast<__mmask16>(0xFFFF));
+      bf16* dst = o + row * os + q * 16;
+      store16m(dst, _mm512_mul_ps(silu16(rounded16(g, dst), dst), rounded16(u, dst)), static_cast<__mmask16>(0xFFFF));
     }
   }
 }
@@ -2444,6 +2442,8 @@ bool set_amx(bool enable) {
 
 #if defined(LORAPLEX_AMX)
 // bf16 x over bf16 or int8 panels (int8 widened to bf16 one panel pair at a time), K a multiple of 32.
+// SILU (bf16 panels only): the fused gate/up product, out (M, n / 2) = silu_mul of it (amx::gemm).
+template <bool SILU = false>
 void amx_linear_bf16(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, const void* wp, bool i8,
                      int64_t panels, int64_t n, uint16_t* op, const float* scale, const float* bias) {
   std::vector<char> copy;
@@ -2452,10 +2452,12 @@ void amx_linear_bf16(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, cons
   const int64_t steps = K2 / 16;
   if (!i8) {
     const char* w = static_cast<const char*>(wp);
-    auto weights = [&](int64_t pair, std::vector<char>&) { return w + 2 * pair * K2 * 64; };
-    amx::gemm<false>(x, stride, M, steps, panels, n, weights, op, scale, bias, nullptr, nullptr);
+    // an item's first panel: 2 item (a pair), or item (SILU: the gate panel)
+    auto weights = [&](int64_t item, std::vector<char>&) { return w + (SILU ? 1 : 2) * item * K2 * 64; };
+    amx::gemm<false, SILU>(x, stride, M, steps, panels, n, weights, op, scale, bias, nullptr, nullptr);
     return;
   }
+  TORCH_CHECK(!SILU, "silu_linear: int8 panels have no fused tile path");
   const auto* w = static_cast<const int8_t*>(wp);
   auto weights = [&](int64_t pair, std::vector<char>& buffer) {
     const int64_t p = 2 * pair, count = std::min<int64_t>(2, panels - p);
@@ -2840,6 +2842,31 @@ void w8a8_linear_avx2(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8
 }
 #endif
 
+// The (N,) scales as fp32: the tensor's own data, or a widened copy in buf.
+const float* scales_f32(const at::Tensor& scales, std::vector<float>& buf) {
+  if (scales.scalar_type() == at::kFloat) return scales.data_ptr<float>();
+  const int64_t n = scales.numel();
+  buf.resize(static_cast<size_t>(n));
+  const bf16* sp = scales.data_ptr<bf16>();
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_f(sp[i]);
+  return buf.data();
+}
+
+#if defined(LORAPLEX_AMX)
+// w8a8 on AMX tiles over the rows rounded to int8 (padded here with zero rows, scale and sum 0, to whole
+// tiles); SILU: the fused gate/up product, out (M, n / 2) = silu_mul of it (amx::gemm).
+template <bool SILU = false>
+void amx_linear_w8a8(RowsI8& rows, int64_t M, int64_t K, const uint8_t* wp, int64_t panels, int64_t n, uint16_t* op,
+                     const float* scale, const float* bias) {
+  rows.q.resize(static_cast<size_t>((M + 15) / 16 * 16 * K));
+  const char* base = reinterpret_cast<const char*>(wp);
+  // an item's first panel: 2 item (a pair), or item (SILU: the gate panel)
+  auto weights = [&](int64_t item, std::vector<char>&) { return base + (SILU ? 1 : 2) * item * K * 16; };
+  amx::gemm<true, SILU>(reinterpret_cast<const char*>(rows.q.data()), K, M, K / 64, panels, n, weights, op, scale, bias,
+                        rows.scale.data(), rows.sum.data());
+}
+#endif
+
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -2855,15 +2882,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #if defined(LORAPLEX_W8A8_VNNI) || defined(LORAPLEX_W8A8_AVX2)
   if (M == 0) return out;
   std::vector<float> sf;
-  const float* scale = nullptr;
-  if (scales.scalar_type() == at::kFloat) {
-    scale = scales.data_ptr<float>();
-  } else {
-    sf.resize(static_cast<size_t>(n));
-    const bf16* sp = scales.data_ptr<bf16>();
-    for (int64_t i = 0; i < n; ++i) sf[i] = to_f(sp[i]);
-    scale = sf.data();
-  }
+  const float* scale = scales_f32(scales, sf);
 #endif
 #if defined(LORAPLEX_W8A8_AVX2)
   if (x.scalar_type() == at::kFloat) {
@@ -2884,12 +2903,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const auto* wp = w.data_ptr<uint8_t>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
 #if defined(LORAPLEX_AMX)
-  if (amx::use(M) && K % 64 == 0) {  // the rounded rows padded with zero rows (scale and sum 0) to whole tiles
-    rows.q.resize(static_cast<size_t>((M + 15) / 16 * 16 * K));
-    const char* base = reinterpret_cast<const char*>(wp);
-    auto weights = [&](int64_t pair, std::vector<char>&) { return base + 2 * pair * K * 16; };
-    amx::gemm<true>(reinterpret_cast<const char*>(rows.q.data()), K, M, K / 64, w.size(0), n, weights, op, scale,
-                    bp, rows.scale.data(), rows.sum.data());
+  if (amx::use(M) && K % 64 == 0) {
+    amx_linear_w8a8(rows, M, K, wp, w.size(0), n, op, scale, bp);
     return out;
   }
 #endif
@@ -3396,41 +3411,30 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n) {
   TORCH_CHECK(n % 2 == 0, "silu_linear: n must be even (gate and up halves)");
 #if defined(LORAPLEX_AMX)
-  const int64_t M = x.size(0);
-  const bool fusable = x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && amx::use(M) &&
-                       n % 32 == 0 && w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == n;
-  const auto* xp = fusable ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
-  if (fusable && w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == x.size(1) && w.size(1) % 16 == 0 &&
-      !scales.has_value()) {
-    const int64_t K2 = w.size(1);
-    at::Tensor out = at::empty({M, n / 2}, x.options());
-    std::vector<char> copy;
-    int64_t stride = 0;
-    const char* xr = amx::padded_rows(reinterpret_cast<const char*>(xp), x.stride(0) * 2, M, K2 * 4, copy, stride);
-    const char* wp = static_cast<const char*>(w.data_ptr());
-    auto weights = [&](int64_t q, std::vector<char>&) { return wp + q * K2 * 64; };
-    amx::gemm<false, true>(xr, stride, M, K2 / 16, w.size(0), n, weights, reinterpret_cast<uint16_t*>(out.data_ptr()),
-                           nullptr, nullptr, nullptr, nullptr);
-    return out;
-  }
+  if (x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && amx::use(x.size(0)) && n % 32 == 0 &&
+      w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == n) {
+    const int64_t M = x.size(0), K = x.size(1);
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    if (w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == K && K % 32 == 0 && !scales.has_value()) {
+      at::Tensor out = at::empty({M, n / 2}, x.options());
+      amx_linear_bf16<true>(xp, x.stride(0), M, K / 2, w.data_ptr(), false, w.size(0), n,
+                            reinterpret_cast<uint16_t*>(out.data_ptr()), nullptr, nullptr);
+      return out;
+    }
 #if defined(LORAPLEX_W8A8_VNNI)
-  if (fusable && w.scalar_type() == at::kByte && w.size(3) == 4 && w.size(1) * 4 == x.size(1) && x.size(1) % 64 == 0 &&
-      scales.has_value() && scales->numel() == n && scales->is_contiguous() &&
-      (scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kBFloat16)) {
-    const int64_t K = x.size(1);
-    const at::Tensor sf = scales->to(at::kFloat).contiguous();
-    RowsI8 rows;
-    round_rows_i8(xp, x.stride(0), M, K, rows);
-    rows.q.resize(static_cast<size_t>((M + 15) / 16 * 16 * K));  // zero rows (scale and sum 0) to whole tiles
-    at::Tensor out = at::empty({M, n / 2}, x.options());
-    const char* base = reinterpret_cast<const char*>(w.data_ptr<uint8_t>());
-    auto weights = [&](int64_t q, std::vector<char>&) { return base + q * K * 16; };
-    amx::gemm<true, true>(reinterpret_cast<const char*>(rows.q.data()), K, M, K / 64, w.size(0), n, weights,
-                          reinterpret_cast<uint16_t*>(out.data_ptr()), sf.data_ptr<float>(), nullptr,
-                          rows.scale.data(), rows.sum.data());
-    return out;
-  }
+    if (w.scalar_type() == at::kByte && w.size(3) == 4 && w.size(1) * 4 == K && K % 64 == 0 && scales.has_value() &&
+        scales->numel() == n && scales->is_contiguous() &&
+        (scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kBFloat16)) {
+      std::vector<float> sf;
+      RowsI8 rows;
+      round_rows_i8(xp, x.stride(0), M, K, rows);
+      at::Tensor out = at::empty({M, n / 2}, x.options());
+      amx_linear_w8a8<true>(rows, M, K, w.data_ptr<uint8_t>(), w.size(0), n,
+                            reinterpret_cast<uint16_t*>(out.data_ptr()), scales_f32(*scales, sf), nullptr);
+      return out;
+    }
 #endif
+  }
 #endif
   return silu_mul(panel_linear(x, w, scales, n, std::nullopt));
 }
