@@ -167,12 +167,6 @@ def test_a_killed_gateway_frees_its_lease_within_the_ttl(replicas):
     r = redis.Redis.from_url(replicas["redis_url"])
     try:
         with httpx.Client(timeout=30) as client:
-            # A fresh gateway's lease was once gone right after the kill on a loaded CI machine; the likeliest
-            # path (not traced) is a first request stalled past the 2 s ttl, so that a late renewal found the
-            # lease expired and dropped it. A first request warms the gateway up, and a missing lease fails
-            # with its own message.
-            warm = client.post(doomed.url + "/v1/completions", headers=headers, json=completion_body(4, 1))
-            assert warm.status_code == 200, warm.text
             with client.stream("POST", doomed.url + "/v1/completions", headers=headers,
                                json=completion_body(4, 2000, stream=True)) as resp:
                 assert resp.status_code == 200
@@ -181,8 +175,11 @@ def test_a_killed_gateway_frees_its_lease_within_the_ttl(replicas):
                 killed_at = _redis_now(r)
             # The dead gateway's last renewal fixed the lease's expiry; the test judges by that expiry (on
             # the clock the quota scripts use), not by its own timing, which a loaded machine stretches.
+            # Seen on loaded CI machines (cause not traced): no lease at all right after the kill. The dead
+            # gateway's log is in the message (a late renewal that found the lease expired logs a warning).
             leases = r.zrange(leases_key, 0, -1, withscores=True)
-            assert len(leases) == 1, f"the running request's lease is gone before the kill: {leases}"
+            assert len(leases) == 1, (f"the running request's lease is gone right after the kill: {leases}; "
+                                      f"the killed gateway's log:\n{doomed.process.tail()}")
             [(lease_id, expiry)] = leases
             assert killed_at < expiry <= killed_at + LEASE_TTL_S, (killed_at, expiry)
             refused = client.post(survivor + "/v1/completions", headers=headers, json=completion_body(4, 1))
