@@ -1775,14 +1775,14 @@ void rope_store_kv(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, co
 // y[t, off_i : off_i + n_i] += scaling[s, i] * (x[t] . A_i[s]) @ B_i[s].T for s = token_slots[t] >= 0 and every
 // slice i with rank r = ranks[s, i] > 0; A_i[s] = lora_a[s, i*R : i*R + r] (r, H_in), B_i[s].T = b_t[s, :r,
 // off_i : off_i + n_i]. Shrunk activations and the delta stay in fp32; each y element is rounded once.
-template <typename T>
+template <typename T, typename Y = T>
 void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
                    const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
                    const std::vector<int64_t>& sizes) {
   const int64_t n_tok = x.size(0), h_in = x.size(1), n_out = y.size(1);
   const int64_t num_slices = static_cast<int64_t>(sizes.size()), R = lora_a.size(1) / num_slices;
   const T* xp = x.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+  Y* yp = y.data_ptr<Y>();
   const T* ap = lora_a.data_ptr<T>();
   const T* bp = b_t.data_ptr<T>();
   const int32_t* rp = ranks.data_ptr<int32_t>();
@@ -1820,7 +1820,7 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
         }
       }
       if (!any) continue;
-      T* yr = yp + t * ys;
+      Y* yr = yp + t * ys;
       for (int64_t i = 0; i < num_slices; ++i) {
         if (rp[s * num_slices + i] <= 0) continue;
         const int64_t off = offsets[i], n = sizes[i];
@@ -1891,9 +1891,10 @@ void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int6
 #endif
 
 // y_m[c] += sum_j u[m, j] * bt[j, c] for M tokens, c < n (bt rows strided by bt_stride): 4 chunks of 16
-// columns x M tokens of accumulators, each y element read and rounded once.
-template <typename T, int M>
-void lora_expand_tile(T* const* yr, const float* u, int64_t u_stride, const T* bt, int64_t bt_stride, int64_t r,
+// columns x M tokens of accumulators, each y element read and rounded once. y's rows are T's, or fp32 ones
+// (Y = float: a delta that a later op adds, see lora_delta).
+template <typename T, int M, typename Y = T>
+void lora_expand_tile(Y* const* yr, const float* u, int64_t u_stride, const T* bt, int64_t bt_stride, int64_t r,
                       int64_t n) {
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
     __m512 acc[M][4];
@@ -1913,7 +1914,7 @@ void lora_expand_tile(T* const* yr, const float* u, int64_t u_stride, const T* b
     for (int m = 0; m < M; ++m)
       for (int cc = 0; cc < 4; ++cc) {
         if (lanes[cc] == 0) continue;
-        T* yc = yr[m] + c0 + 16 * cc;
+        Y* yc = yr[m] + c0 + 16 * cc;
         store16m(yc, _mm512_add_ps(load16m(yc, lanes[cc]), acc[m][cc]), lanes[cc]);
       }
   }
@@ -1924,8 +1925,8 @@ void lora_expand_tile(T* const* yr, const float* u, int64_t u_stride, const T* b
 // pairs; rows j and j + 1 of bt interleaved by unpacklo/hi into VDPBF16PS's pair operand, which leaves the
 // columns of each 32 in the order {0-3, 8-11, 16-19, 24-27} (lo) and {4-7, 12-15, 20-23, 28-31} (hi),
 // put back by one permute each at the store. fp32 sums, each y element read and rounded once.
-template <int M>
-void lora_expand_tile_bf16(bf16* const* yr, const float* u, int64_t u_stride, const bf16* bt, int64_t bt_stride,
+template <int M, typename Y = bf16>
+void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const bf16* bt, int64_t bt_stride,
                            int64_t r, int64_t n) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -1963,7 +1964,7 @@ void lora_expand_tile_bf16(bf16* const* yr, const float* u, int64_t u_stride, co
           const int64_t c = c0 + 32 * g + 16 * h;
           if (c >= n) continue;
           const __mmask16 lanes = first_lanes(n - c);
-          bf16* yc = yr[m] + c;
+          Y* yc = yr[m] + c;
           store16m(yc, _mm512_add_ps(load16m(yc, lanes), parts[h]), lanes);
         }
       }
@@ -1972,8 +1973,8 @@ void lora_expand_tile_bf16(bf16* const* yr, const float* u, int64_t u_stride, co
 #endif
 
 // Up to 4 tokens of one slot: shrink every slice into u (M, slices * R), then expand each slice into y.
-template <typename T, int M>
-void lora_tokens(const T* const* xr, T* const* yr, int64_t s, const T* ap, const T* bp, const int32_t* rp,
+template <typename T, int M, typename Y = T>
+void lora_tokens(const T* const* xr, Y* const* yr, int64_t s, const T* ap, const T* bp, const int32_t* rp,
                  const float* sp, int64_t num_slices, int64_t R, int64_t h_in, int64_t n_out, const int64_t* offsets,
                  const int64_t* sizes, float* u) {
   const int64_t us = num_slices * R;
@@ -1992,21 +1993,21 @@ void lora_tokens(const T* const* xr, T* const* yr, int64_t s, const T* ap, const
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
     if (r <= 0) continue;
-    T* yo[M];
+    Y* yo[M];
     for (int m = 0; m < M; ++m) yo[m] = yr[m] + offsets[i];
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
-      lora_expand_tile_bf16<M>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
+      lora_expand_tile_bf16<M, Y>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
       continue;
     }
 #endif
-    lora_expand_tile<T, M>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
+    lora_expand_tile<T, M, Y>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
   }
 }
 
 // lora_add with the tokens grouped by slot (in their order within a slot) into tiles of up to 4, so each
 // tile reads its slot's A and B once; tiles are the parallel items.
-template <typename T>
+template <typename T, typename Y = T>
 void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
                      const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
                      const std::vector<int64_t>& sizes) {
@@ -2028,7 +2029,7 @@ void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = count[s]; i < count[s + 1]; i += 4) tiles.push_back(i);
   const T* xp = x.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+  Y* yp = y.data_ptr<Y>();
   const T* ap = lora_a.data_ptr<T>();
   const T* bp = b_t.data_ptr<T>();
   const int32_t* rp = ranks.data_ptr<int32_t>();
@@ -2043,13 +2044,13 @@ void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
     const int64_t i0 = tiles[it], s = slots[order[i0]];
     const int M = static_cast<int>(std::min<int64_t>(4, count[s + 1] - i0));
     const T* xr[4];
-    T* yr[4];
+    Y* yr[4];
     for (int m = 0; m < M; ++m) {
       xr[m] = xp + order[i0 + m] * xs;
       yr[m] = yp + order[i0 + m] * ys;
     }
 #define LORAPLEX_LORA_TOKENS(MM) \
-  lora_tokens<T, MM>(xr, yr, s, ap, bp, rp, sp, num_slices, R, h_in, n_out, offsets.data(), sizes.data(), u.data())
+  lora_tokens<T, MM, Y>(xr, yr, s, ap, bp, rp, sp, num_slices, R, h_in, n_out, offsets.data(), sizes.data(), u.data())
     switch (M) {
       case 1: LORAPLEX_LORA_TOKENS(1); break;
       case 2: LORAPLEX_LORA_TOKENS(2); break;
@@ -2061,9 +2062,10 @@ void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
 }
 #endif
 
-void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
-              const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
-              std::vector<int64_t> slice_sizes) {
+// lora_add's operand checks; y's dtype is checked by the caller.
+void check_lora_operands(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+                         const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+                         const std::vector<int64_t>& slice_sizes) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0),
               "lora_add: x (T, H_in) and y (T, N) with contiguous rows");
   const int64_t num_slices = static_cast<int64_t>(slice_sizes.size());
@@ -2082,26 +2084,46 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const
   TORCH_CHECK(token_slots.scalar_type() == at::kInt && token_slots.is_contiguous() && token_slots.numel() == x.size(0),
               "lora_add: token_slots (T,) int32");
   const auto dt = x.scalar_type();
-  TORCH_CHECK(y.scalar_type() == dt && lora_a.scalar_type() == dt && b_t.scalar_type() == dt,
-              "lora_add: x, y and the factors share one dtype");
+  TORCH_CHECK(lora_a.scalar_type() == dt && b_t.scalar_type() == dt, "lora_add: x and the factors share one dtype");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "lora_add: dtypes float32 or bfloat16");
   const int32_t* rp = ranks.data_ptr<int32_t>();
   for (int64_t i = 0; i < S * num_slices; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= R, "lora_add: rank past max rank");
   const int32_t* sl = token_slots.data_ptr<int32_t>();
   for (int64_t t = 0; t < x.size(0); ++t) TORCH_CHECK(sl[t] < S, "lora_add: token slot out of range");
+}
+
+template <typename T, typename Y>
+void lora_add_dispatch(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+                       const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+                       const std::vector<int64_t>& slice_sizes) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (dt == at::kFloat) {
-    lora_add_avx512<float>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
-  } else if (dt == at::kBFloat16) {
-    lora_add_avx512<bf16>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  lora_add_avx512<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
 #else
-  if (dt == at::kFloat) {
-    lora_add_impl<float>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
-  } else if (dt == at::kBFloat16) {
-    lora_add_impl<bf16>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  lora_add_impl<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
 #endif
-  } else {
-    TORCH_CHECK(false, "lora_add: dtypes float32 or bfloat16");
-  }
+}
+
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+              const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+              std::vector<int64_t> slice_sizes) {
+  check_lora_operands(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "lora_add: x, y and the factors share one dtype");
+  if (x.scalar_type() == at::kFloat) lora_add_dispatch<float, float>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  else lora_add_dispatch<bf16, bf16>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+}
+
+// The LoRA deltas alone, in fp32 (T, N): what lora_add would add to y before rounding to y's dtype (fp32
+// factors' deltas are y's own sums, bf16 ones the fp32 sums lora_add rounds once into y). A fused op adds
+// them where the product is rounded (silu_linear's epilogue), so the result equals lora_add's bit for bit.
+at::Tensor lora_delta(const at::Tensor& x, int64_t n, const at::Tensor& lora_a, const at::Tensor& b_t,
+                      const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
+                      const std::vector<int64_t>& slice_sizes) {
+  at::Tensor delta = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  std::memset(delta.data_ptr<float>(), 0, static_cast<size_t>(delta.numel()) * sizeof(float));
+  check_lora_operands(delta, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  if (x.scalar_type() == at::kFloat) lora_add_dispatch<float, float>(delta, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  else lora_add_dispatch<bf16, float>(delta, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  return delta;
 }
 
 // The next panel group's bytes, fetched into L2 a few lines per k step while the tiles of this group
@@ -2355,11 +2377,13 @@ inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64
 }
 
 // The fused gate/up projection's epilogue: C tiles (i, 0) hold gate columns q * 16 .., (i, 1) the up columns
-// (q + half) * 16 ..; each rounded to bf16 as epilogue stores them, then silu_mul's operations on them (silu
-// in bf16, then the product), so the I = 16 half columns of out equal silu_mul(the unfused output) bit for bit.
+// (q + half) * 16 ..; each rounded to bf16 as epilogue stores them, then (with `delta`, fp32 (M, 2 I): the
+// LoRA deltas, lora_delta) the delta added and rounded again, as lora_add adds it to the stored product; then
+// silu_mul's operations on them (silu in bf16, then the product), so the I = 16 half columns of out equal
+// silu_mul(the unfused output) bit for bit.
 template <bool I8>
 inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t q, int64_t half, uint16_t* out,
-                          int64_t os, const float* scale, const float* sx, const int32_t* xsum) {
+                          int64_t os, const float* scale, const float* sx, const int32_t* xsum, const float* delta) {
   const __m512 sg = scale ? _mm512_loadu_ps(scale + q * 16) : _mm512_set1_ps(1.f);
   const __m512 su = scale ? _mm512_loadu_ps(scale + (q + half) * 16) : _mm512_set1_ps(1.f);
   auto* o = reinterpret_cast<bf16*>(out);
@@ -2379,7 +2403,14 @@ inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t 
         u = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tu + r * 64)), su);
       }
       bf16* dst = o + row * os + q * 16;
-      store16m(dst, _mm512_mul_ps(silu16(rounded16(g, dst), dst), rounded16(u, dst)), static_cast<__mmask16>(0xFFFF));
+      g = rounded16(g, dst);
+      u = rounded16(u, dst);
+      if (delta != nullptr) {
+        const float* d = delta + row * 2 * os;
+        g = rounded16(_mm512_add_ps(g, _mm512_loadu_ps(d + q * 16)), dst);
+        u = rounded16(_mm512_add_ps(u, _mm512_loadu_ps(d + (q + half) * 16)), dst);
+      }
+      store16m(dst, _mm512_mul_ps(silu16(g, dst), u), static_cast<__mmask16>(0xFFFF));
     }
   }
 }
@@ -2395,11 +2426,12 @@ struct Scratch {
 // B operand of panels 2 pair and 2 pair + 1 (the panels themselves, or a widened copy in `buffer`). One item
 // per panel pair, over parallel_stealing (a preempted thread delays only the pair it holds).
 // SILU: N = 2 I columns of a fused gate/up projection (I a multiple of 16, no bias) and out (M, I) =
-// silu_mul of the product; item q pairs gate panel q with up panel q + half, `weights(q, buffer)` gives panel q
-// and the up panel lies half panels after it.
+// silu_mul of the product (plus `delta`, fp32 (M, N), before it: see epilogue_silu); item q pairs gate panel q
+// with up panel q + half, `weights(q, buffer)` gives panel q and the up panel lies half panels after it.
 template <bool I8, bool SILU = false, class Weights>
 void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t panels, int64_t N, Weights weights,
-          uint16_t* out, const float* scale, const float* bias, const float* sx, const int32_t* xsum) {
+          uint16_t* out, const float* scale, const float* bias, const float* sx, const int32_t* xsum,
+          const float* delta = nullptr) {
   const int64_t Mp = (M + 15) / 16 * 16, panel_bytes = steps * 1024, half = panels / 2;
   const int64_t items = SILU ? half : (panels + 1) / 2, second = SILU ? half * panel_bytes : panel_bytes;
   parallel_stealing<Scratch>(items, [&](Scratch& sc, int64_t item, int64_t) {
@@ -2409,7 +2441,7 @@ void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t pan
     for (int64_t m = 0; m < Mp; m += 32) {
       const int mt = static_cast<int>(std::min<int64_t>(2, (Mp - m) / 16));
       block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + second, steps, sc.c);
-      if constexpr (SILU) epilogue_silu<I8>(sc.c, mt, m, M, item, half, out, N / 2, scale, sx, xsum);
+      if constexpr (SILU) epilogue_silu<I8>(sc.c, mt, m, M, item, half, out, N / 2, scale, sx, xsum, delta);
       else epilogue<I8>(sc.c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
     }
   });
@@ -2445,7 +2477,8 @@ bool set_amx(bool enable) {
 // SILU (bf16 panels only): the fused gate/up product, out (M, n / 2) = silu_mul of it (amx::gemm).
 template <bool SILU = false>
 void amx_linear_bf16(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, const void* wp, bool i8,
-                     int64_t panels, int64_t n, uint16_t* op, const float* scale, const float* bias) {
+                     int64_t panels, int64_t n, uint16_t* op, const float* scale, const float* bias,
+                     const float* delta = nullptr) {
   std::vector<char> copy;
   int64_t stride = 0;
   const char* x = amx::padded_rows(reinterpret_cast<const char*>(xp), xs * 2, M, K2 * 4, copy, stride);
@@ -2454,7 +2487,7 @@ void amx_linear_bf16(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, cons
     const char* w = static_cast<const char*>(wp);
     // an item's first panel: 2 item (a pair), or item (SILU: the gate panel)
     auto weights = [&](int64_t item, std::vector<char>&) { return w + (SILU ? 1 : 2) * item * K2 * 64; };
-    amx::gemm<false, SILU>(x, stride, M, steps, panels, n, weights, op, scale, bias, nullptr, nullptr);
+    amx::gemm<false, SILU>(x, stride, M, steps, panels, n, weights, op, scale, bias, nullptr, nullptr, delta);
     return;
   }
   TORCH_CHECK(!SILU, "silu_linear: int8 panels have no fused tile path");
@@ -2857,13 +2890,13 @@ const float* scales_f32(const at::Tensor& scales, std::vector<float>& buf) {
 // tiles); SILU: the fused gate/up product, out (M, n / 2) = silu_mul of it (amx::gemm).
 template <bool SILU = false>
 void amx_linear_w8a8(RowsI8& rows, int64_t M, int64_t K, const uint8_t* wp, int64_t panels, int64_t n, uint16_t* op,
-                     const float* scale, const float* bias) {
+                     const float* scale, const float* bias, const float* delta = nullptr) {
   rows.q.resize(static_cast<size_t>((M + 15) / 16 * 16 * K));
   const char* base = reinterpret_cast<const char*>(wp);
   // an item's first panel: 2 item (a pair), or item (SILU: the gate panel)
   auto weights = [&](int64_t item, std::vector<char>&) { return base + (SILU ? 1 : 2) * item * K * 16; };
   amx::gemm<true, SILU>(reinterpret_cast<const char*>(rows.q.data()), K, M, K / 64, panels, n, weights, op, scale, bias,
-                        rows.scale.data(), rows.sum.data());
+                        rows.scale.data(), rows.sum.data(), delta);
 }
 #endif
 
@@ -3407,9 +3440,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 // silu_mul(panel_linear(x, w, scales, n)) for a fused gate/up projection of n = 2 I columns, no bias. On AMX
 // tiles (bf16 x over bf16 panels or w8a8 quads, I a multiple of 16) the product's epilogue computes silu_mul
 // from the bf16-rounded gate and up sums, so the (M, 2 I) product is never stored and the result equals the
-// unfused one bit for bit; elsewhere the two ops run in turn.
-at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n) {
+// unfused one bit for bit; elsewhere the two ops run in turn. `delta` (fp32 (M, n), from lora_delta, or
+// nullptr): LoRA deltas added to the product first, rounded as lora_add rounds them.
+at::Tensor silu_linear_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n,
+                            const at::Tensor* delta) {
   TORCH_CHECK(n % 2 == 0, "silu_linear: n must be even (gate and up halves)");
+  TORCH_CHECK(delta == nullptr || (delta->scalar_type() == at::kFloat && delta->is_contiguous() && delta->dim() == 2 &&
+                                   delta->size(0) == x.size(0) && delta->size(1) == n),
+              "silu_linear: delta (M, n) float32, contiguous");
+  const float* dp = delta != nullptr ? delta->data_ptr<float>() : nullptr;
 #if defined(LORAPLEX_AMX)
   if (x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && amx::use(x.size(0)) && n % 32 == 0 &&
       w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == n) {
@@ -3418,7 +3457,7 @@ at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
     if (w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == K && K % 32 == 0 && !scales.has_value()) {
       at::Tensor out = at::empty({M, n / 2}, x.options());
       amx_linear_bf16<true>(xp, x.stride(0), M, K / 2, w.data_ptr(), false, w.size(0), n,
-                            reinterpret_cast<uint16_t*>(out.data_ptr()), nullptr, nullptr);
+                            reinterpret_cast<uint16_t*>(out.data_ptr()), nullptr, nullptr, dp);
       return out;
     }
 #if defined(LORAPLEX_W8A8_VNNI)
@@ -3430,13 +3469,22 @@ at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
       round_rows_i8(xp, x.stride(0), M, K, rows);
       at::Tensor out = at::empty({M, n / 2}, x.options());
       amx_linear_w8a8<true>(rows, M, K, w.data_ptr<uint8_t>(), w.size(0), n,
-                            reinterpret_cast<uint16_t*>(out.data_ptr()), scales_f32(*scales, sf), nullptr);
+                            reinterpret_cast<uint16_t*>(out.data_ptr()), scales_f32(*scales, sf), nullptr, dp);
       return out;
     }
 #endif
   }
 #endif
-  return silu_mul(panel_linear(x, w, scales, n, std::nullopt));
+  at::Tensor product = panel_linear(x, w, scales, n, std::nullopt);
+  if (delta != nullptr) {  // y + delta rounded to y's dtype, as lora_add adds its sums
+    if (product.scalar_type() == at::kFloat) product.add_(*delta);
+    else product.copy_(product.to(at::kFloat).add_(*delta));
+  }
+  return silu_mul(product);
+}
+
+at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n) {
+  return silu_linear_impl(x, w, scales, n, nullptr);
 }
 
 at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_s,
@@ -3489,13 +3537,14 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
   at::Tensor o = panel_linear(attn, o_w, o_s, ns[1], none);
   add_lora(1, o, attn);
   const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
+  // silu_mul fused into the gate/up product where it can be; an adapter's deltas on gate/up are added there
   at::Tensor act;
-  if (first[2] < 0) {  // no adapter of the step touches gate/up: silu_mul fused into the product where it can be
-    act = silu_linear(h2, gate_up_w, gate_up_s, ns[2]);
+  if (first[2] < 0) {
+    act = silu_linear_impl(h2, gate_up_w, gate_up_s, ns[2], nullptr);
   } else {
-    at::Tensor gate_up = panel_linear(h2, gate_up_w, gate_up_s, ns[2], none);
-    add_lora(2, gate_up, h2);
-    act = silu_mul(gate_up);
+    const int64_t t = first[2];
+    const at::Tensor delta = lora_delta(h2, ns[2], lora[t], lora[t + 1], lora[t + 2], lora[t + 3], *token_slots, slices[2]);
+    act = silu_linear_impl(h2, gate_up_w, gate_up_s, ns[2], &delta);
   }
   at::Tensor down = panel_linear(act, down_w, down_s, ns[3], none);
   add_lora(3, down, act);

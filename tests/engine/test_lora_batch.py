@@ -84,14 +84,28 @@ def test_bf16_mixed_batch_stays_close_to_fp32(four_adapters):
     assert (results["float32"] - results["bfloat16"]).abs().max().item() < 0.15
 
 
-def test_the_native_decode_layer_adds_the_same_lora_deltas_as_op_by_op(four_adapters):
+@pytest.mark.parametrize(("dtype", "tiles"), [("float32", "avx512"), ("bfloat16", "avx512"), ("bfloat16", "amx")])
+def test_the_native_decode_layer_adds_the_same_lora_deltas_as_op_by_op(four_adapters, dtype, tiles):
     """All-decode steps with adapters run each layer as one native call (decode_layer, its LoRA adds
-    included): the same logprobs, to the bit, as the Python layer loop on the same mixed batch."""
+    included; gate/up's deltas added inside the fused silu_linear product, on AMX tiles where they run):
+    the same logprobs, to the bit, as the Python layer loop on the same mixed batch."""
     from kernels import native_cpu
 
     ops = native_cpu.ops()
     if ops is None or not ops.has_f32_linear():
         pytest.skip("the native decode layer needs the AVX-512 panels")
+    if dtype == "bfloat16" and not ops.has_bf16_linear():
+        pytest.skip("bf16 panels need avx512_bf16")
+    if tiles == "amx" and not ops.has_amx():
+        pytest.skip("this CPU (or its OS) has no AMX tiles")
+    ops.set_amx(tiles == "amx")
+    try:
+        _decode_layer_against_op_by_op(four_adapters, dtype)
+    finally:
+        ops.set_amx(True)
+
+
+def _decode_layer_against_op_by_op(four_adapters, dtype):
     model_dir, _, refs = four_adapters
     names = list(refs)
     adapters = [names[i % 4] for i in range(6)] + [None]
@@ -99,7 +113,8 @@ def test_the_native_decode_layer_adds_the_same_lora_deltas_as_op_by_op(four_adap
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
     runs = []
     for fused in (True, False):
-        llm = LLM(model_dir, num_kv_blocks=96, max_loras=4, max_lora_rank=64, max_num_batched_tokens=256)
+        llm = LLM(model_dir, dtype=dtype, num_kv_blocks=96, max_loras=4, max_lora_rank=64,
+                  max_num_batched_tokens=256)
         for name, ref in refs.items():
             llm.load_adapter(name, ref.path)
         model = llm.engine.runner.model
