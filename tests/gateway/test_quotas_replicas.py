@@ -4,6 +4,7 @@ null worker process; a third is killed mid-request to show its lease expires wit
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -155,6 +156,44 @@ def _redis_now(client: redis.Redis) -> float:
     return seconds + micros / 1e6
 
 
+def test_a_gateway_stalled_past_the_ttl_loses_its_lease_and_says_so(replicas):
+    """A gateway that cannot renew for longer than the lease ttl (SIGSTOP here; a process starved on a loaded
+    machine) no longer holds its running request's lease: the tenant's slot is free on the other replica, and
+    the stalled gateway logs that the limit may admit another request (the documented degradation)."""
+    store = replicas["store"]
+    tenant = store.create_tenant("stalled", policy={"max_concurrent_requests": 1, "requests_per_minute": 10_000})
+    key = store.create_api_key(tenant.id)[0]
+    leases_key = f"{QuotaConfig().key_prefix}:{{{tenant.id}}}:leases"
+    stalled = start_gateway(replicas["model"], replicas["root"] / "stalled", replicas["worker_url"],
+                            *replicas["flags"]).wait()
+    headers = {"authorization": f"Bearer {key}"}
+    r = redis.Redis.from_url(replicas["redis_url"])
+    try:
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", stalled.url + "/v1/completions", headers=headers,
+                json=completion_body(4, 2000, stream=True)) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # NOTE: kept, so the stream stays open (see the killed-gateway test)
+            next(lines)
+            [(_, expiry)] = r.zrange(leases_key, 0, -1, withscores=True)
+            stalled.process.proc.send_signal(signal.SIGSTOP)
+            try:
+                while _redis_now(r) <= expiry:
+                    time.sleep(0.05)
+            finally:
+                stalled.process.proc.send_signal(signal.SIGCONT)
+            assert r.zcount(leases_key, f"({_redis_now(r)}", "+inf") == 0  # no live lease
+            admitted = client.post(replicas["gateways"][0].url + "/v1/completions", headers=headers,
+                                   json=completion_body(4, 1))
+            assert admitted.status_code == 200, admitted.text
+            deadline = time.monotonic() + 10
+            while "could not be renewed" not in stalled.process.tail():
+                assert time.monotonic() < deadline, stalled.process.tail()
+                time.sleep(0.05)
+    finally:
+        stalled.stop()
+
+
 def test_a_killed_gateway_frees_its_lease_within_the_ttl(replicas):
     store = replicas["store"]
     tenant = store.create_tenant("killed", policy={"max_concurrent_requests": 1, "requests_per_minute": 10_000})
@@ -170,17 +209,15 @@ def test_a_killed_gateway_frees_its_lease_within_the_ttl(replicas):
             with client.stream("POST", doomed.url + "/v1/completions", headers=headers,
                                json=completion_body(4, 2000, stream=True)) as resp:
                 assert resp.status_code == 200
-                next(resp.iter_lines())  # it is running: the lease is held
+                # NOTE: keep the iterator: a dropped one closes the stream, and a gateway that sees the
+                # disconnect before the kill releases the lease (this test's old flake on loaded machines)
+                lines = resp.iter_lines()
+                next(lines)  # it is running: the lease is held
                 doomed.kill()
                 killed_at = _redis_now(r)
             # The dead gateway's last renewal fixed the lease's expiry; the test judges by that expiry (on
             # the clock the quota scripts use), not by its own timing, which a loaded machine stretches.
-            # Seen on loaded CI machines (cause not traced): no lease at all right after the kill. The dead
-            # gateway's log is in the message (a late renewal that found the lease expired logs a warning).
-            leases = r.zrange(leases_key, 0, -1, withscores=True)
-            assert len(leases) == 1, (f"the running request's lease is gone right after the kill: {leases}; "
-                                      f"the killed gateway's log:\n{doomed.process.tail()}")
-            [(lease_id, expiry)] = leases
+            [(lease_id, expiry)] = r.zrange(leases_key, 0, -1, withscores=True)
             assert killed_at < expiry <= killed_at + LEASE_TTL_S, (killed_at, expiry)
             refused = client.post(survivor + "/v1/completions", headers=headers, json=completion_body(4, 1))
             if _redis_now(r) < expiry:  # the survivor admitted before the answer: the lease was live then
