@@ -1831,12 +1831,39 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
 }
 
 
+// The next panel group's bytes, fetched into L2 a few lines per k step while the tiles of this group
+// compute: at 7+ rows a bf16 group's first tile would otherwise wait on memory (its weights arrive slower
+// than it uses them) while the later tiles find them in cache. fp32 gains less (twice the FMAs per byte):
+// the bench model's 120 projections at 32 rows, from memory, 2 threads, ~26 to ~23 ms (medians of 8
+// alternating runs on a noisy 2-core VM).
+struct NoPrefetch {  // one tile of rows: nothing to fetch ahead (the tile's loop keeps no check)
+  inline void step() {}
+};
+
+struct Prefetcher {
+  const char* cur = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  Prefetcher() = default;
+  // bytes [from, from + bytes) over `steps` calls of step()
+  Prefetcher(const void* from, int64_t bytes, int64_t steps)
+      : cur(static_cast<const char*>(from)), end(static_cast<const char*>(from) + bytes),
+        per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 0) {}
+  inline void step() {
+    for (int64_t i = 0; i < per_step && cur < end; ++i, cur += 64) __builtin_prefetch(cur, 0, 2);  // to L2
+  }
+  // the rest at once
+  inline void all() {
+    for (; cur < end; cur += 64) __builtin_prefetch(cur, 0, 2);
+  }
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // out[m, j] = scale * x_m . A[j] for M tokens and the r rows of one slice's A (r, h_in): tiles of M tokens x
 // 4 rows, 16-lane partial sums in registers, one hsum16 per tile.
 template <typename T, int M>
 void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, float scale, float* out,
-                      int64_t out_stride) {
+                      int64_t out_stride, Prefetcher& pf) {
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < r; j0 += 4) {
     const T* ar[4];
@@ -1847,6 +1874,7 @@ void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, f
       const __mmask16 lanes = first_lanes(h_in - k);
       __m512 av[4];
       for (int jj = 0; jj < 4; ++jj) av[jj] = load16m(ar[jj] + k, lanes);
+      pf.step();
       for (int m = 0; m < M; ++m) {
         const __m512 xv = load16m(xr[m] + k, lanes);
         for (int jj = 0; jj < 4; ++jj) acc[m * 4 + jj] = _mm512_fmadd_ps(xv, av[jj], acc[m * 4 + jj]);
@@ -1864,7 +1892,7 @@ void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, f
 // fp32 sums; a masked tail loads zeros past h_in.
 template <int M>
 void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
-                           int64_t out_stride) {
+                           int64_t out_stride, Prefetcher& pf) {
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < r; j0 += 4) {
     const bf16* ar[4];
@@ -1876,6 +1904,7 @@ void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int6
       const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
       __m512i av[4];
       for (int jj = 0; jj < 4; ++jj) av[jj] = _mm512_maskz_loadu_epi16(lanes, ar[jj] + k);
+      pf.step();
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
         for (int jj = 0; jj < 4; ++jj)
@@ -1895,7 +1924,7 @@ void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int6
 // (Y = float: a delta that a later op adds, see lora_delta).
 template <typename T, int M, typename Y = T>
 void lora_expand_tile(Y* const* yr, const float* u, int64_t u_stride, const T* bt, int64_t bt_stride, int64_t r,
-                      int64_t n) {
+                      int64_t n, Prefetcher& pf) {
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
     __m512 acc[M][4];
     for (int m = 0; m < M; ++m)
@@ -1904,6 +1933,7 @@ void lora_expand_tile(Y* const* yr, const float* u, int64_t u_stride, const T* b
     for (int cc = 0; cc < 4; ++cc) lanes[cc] = c0 + 16 * cc < n ? first_lanes(n - c0 - 16 * cc) : 0;
     for (int64_t j = 0; j < r; ++j) {
       const T* b = bt + j * bt_stride + c0;
+      pf.step();
       __m512 bv[4];
       for (int cc = 0; cc < 4; ++cc) bv[cc] = load16m(b + 16 * cc, lanes[cc]);
       for (int m = 0; m < M; ++m) {
@@ -1927,7 +1957,7 @@ void lora_expand_tile(Y* const* yr, const float* u, int64_t u_stride, const T* b
 // put back by one permute each at the store. fp32 sums, each y element read and rounded once.
 template <int M, typename Y = bf16>
 void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const bf16* bt, int64_t bt_stride,
-                           int64_t r, int64_t n) {
+                           int64_t r, int64_t n, Prefetcher& pf) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
@@ -1942,6 +1972,7 @@ void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const
     for (int64_t j = 0; j < r; j += 2) {
       const bf16* b0 = bt + j * bt_stride + c0;
       const bool pair = j + 1 < r;
+      pf.step();
       __m512i bv[4];
       for (int g = 0; g < 2; ++g) {
         const __m512i row0 = _mm512_maskz_loadu_epi16(cols[g], b0 + 32 * g);
@@ -1972,23 +2003,70 @@ void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const
 }
 #endif
 
+// A slot's LoRA factors as lora_tokens reads them: per slice its rank's rows of A, and the first max-rank rows
+// of b_t (all slices' columns).
+constexpr int kMaxLoraSlices = 8;  // more slices in one add: no fetching ahead
+
+struct LoraSlot {
+  const char* a[kMaxLoraSlices] = {};
+  int64_t a_bytes[kMaxLoraSlices] = {};
+  const char* b = nullptr;
+  int64_t b_bytes = 0;
+  void fetch() const {  // into L2, now
+    for (int i = 0; i < kMaxLoraSlices; ++i) Prefetcher(a[i], a_bytes[i], 1).all();
+    Prefetcher(b, b_bytes, 1).all();
+  }
+};
+
+template <typename T>
+LoraSlot lora_slot(int64_t s, const T* ap, const T* bp, const int32_t* rp, int64_t num_slices, int64_t R,
+                   int64_t h_in, int64_t n_out) {
+  LoraSlot slot;
+  int64_t r_max = 0;
+  for (int64_t i = 0; i < num_slices; ++i) {
+    const int64_t r = rp[s * num_slices + i];
+    slot.a[i] = reinterpret_cast<const char*>(ap + (s * num_slices * R + i * R) * h_in);
+    slot.a_bytes[i] = std::max<int64_t>(r, 0) * h_in * static_cast<int64_t>(sizeof(T));
+    r_max = std::max(r_max, r);
+  }
+  slot.b = reinterpret_cast<const char*>(bp + s * R * n_out);
+  slot.b_bytes = r_max * n_out * static_cast<int64_t>(sizeof(T));
+  return slot;
+}
+
 // Up to 4 tokens of one slot: shrink every slice into u (M, slices * R), then expand each slice into y.
+// `next` (or nullptr): the factors of the slot this thread takes next, fetched into L2 meanwhile (its A
+// slice by slice during the shrinks, its B during the expands), so a thread streams one slot's factors while
+// it computes on another's: a slot's factors are a few short runs that the hardware prefetcher alone fetches
+// at about half this machine's bandwidth.
 template <typename T, int M, typename Y = T>
 void lora_tokens(const T* const* xr, Y* const* yr, int64_t s, const T* ap, const T* bp, const int32_t* rp,
                  const float* sp, int64_t num_slices, int64_t R, int64_t h_in, int64_t n_out, const int64_t* offsets,
-                 const int64_t* sizes, float* u) {
-  const int64_t us = num_slices * R;
+                 const int64_t* sizes, float* u, const LoraSlot* next) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  const int64_t us = num_slices * R, k_step = kBf16 ? 32 : 16;
+  int64_t expand_steps = 0;
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
-    if (r <= 0) continue;
+    if (r > 0) expand_steps += (sizes[i] + 63) / 64 * (kBf16 ? (r + 1) / 2 : r);
+  }
+  Prefetcher pb = next ? Prefetcher(next->b, next->b_bytes, expand_steps) : Prefetcher();
+  for (int64_t i = 0; i < num_slices; ++i) {
+    const int64_t r = rp[s * num_slices + i];
+    Prefetcher pa = next ? Prefetcher(next->a[i], next->a_bytes[i], std::max<int64_t>(1, (r + 3) / 4 * ((h_in + k_step - 1) / k_step)))
+                         : Prefetcher();
+    if (r <= 0) {
+      pa.all();
+      continue;
+    }
     const T* a = ap + (s * num_slices * R + i * R) * h_in;
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, bf16>) {
-      lora_shrink_tile_bf16<M>(xr, a, r, h_in, sp[s * num_slices + i], u + i * R, us);
+    if constexpr (kBf16) {
+      lora_shrink_tile_bf16<M>(xr, a, r, h_in, sp[s * num_slices + i], u + i * R, us, pa);
       continue;
     }
 #endif
-    lora_shrink_tile<T, M>(xr, a, r, h_in, sp[s * num_slices + i], u + i * R, us);
+    lora_shrink_tile<T, M>(xr, a, r, h_in, sp[s * num_slices + i], u + i * R, us, pa);
   }
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
@@ -1996,13 +2074,14 @@ void lora_tokens(const T* const* xr, Y* const* yr, int64_t s, const T* ap, const
     Y* yo[M];
     for (int m = 0; m < M; ++m) yo[m] = yr[m] + offsets[i];
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, bf16>) {
-      lora_expand_tile_bf16<M, Y>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
+    if constexpr (kBf16) {
+      lora_expand_tile_bf16<M, Y>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i], pb);
       continue;
     }
 #endif
-    lora_expand_tile<T, M, Y>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i]);
+    lora_expand_tile<T, M, Y>(yo, u + i * R, us, bp + s * R * n_out + offsets[i], n_out, r, sizes[i], pb);
   }
+  pb.all();
 }
 
 // lora_add with the tokens grouped by slot (in their order within a slot) into tiles of up to 4, so each
@@ -2037,11 +2116,20 @@ void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const int64_t xs = x.stride(0), ys = y.stride(0);
   struct Scratch {
     std::vector<float> u;
+    int64_t fetched = -1;  // the slot whose factors the thread's previous tile fetched ahead
   };
-  parallel_stealing<Scratch>(static_cast<int64_t>(tiles.size()), [&](Scratch& scratch, int64_t it, int64_t) {
+  parallel_stealing<Scratch>(static_cast<int64_t>(tiles.size()), [&](Scratch& scratch, int64_t it, int64_t next_it) {
     std::vector<float>& u = scratch.u;
     u.resize(static_cast<size_t>(4 * num_slices * R));
     const int64_t i0 = tiles[it], s = slots[order[i0]];
+    // a thread's first tile (or one it did not expect) fetches its own factors first; every tile fetches
+    // the next one's while it computes, unless they share a slot (then they are in cache)
+    const bool ahead = num_slices <= kMaxLoraSlices;
+    if (ahead && scratch.fetched != s) lora_slot(s, ap, bp, rp, num_slices, R, h_in, n_out).fetch();
+    const int64_t s_next = ahead && next_it >= 0 ? slots[order[tiles[next_it]]] : -1;
+    LoraSlot next_slot;
+    if (s_next >= 0 && s_next != s) next_slot = lora_slot(s_next, ap, bp, rp, num_slices, R, h_in, n_out);
+    scratch.fetched = s_next >= 0 ? s_next : -1;
     const int M = static_cast<int>(std::min<int64_t>(4, count[s + 1] - i0));
     const T* xr[4];
     Y* yr[4];
@@ -2050,7 +2138,8 @@ void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
       yr[m] = yp + order[i0 + m] * ys;
     }
 #define LORAPLEX_LORA_TOKENS(MM) \
-  lora_tokens<T, MM, Y>(xr, yr, s, ap, bp, rp, sp, num_slices, R, h_in, n_out, offsets.data(), sizes.data(), u.data())
+  lora_tokens<T, MM, Y>(xr, yr, s, ap, bp, rp, sp, num_slices, R, h_in, n_out, offsets.data(), sizes.data(), u.data(), \
+                        s_next >= 0 && s_next != s ? &next_slot : nullptr)
     switch (M) {
       case 1: LORAPLEX_LORA_TOKENS(1); break;
       case 2: LORAPLEX_LORA_TOKENS(2); break;
@@ -2125,29 +2214,6 @@ at::Tensor lora_delta(const at::Tensor& x, int64_t n, const at::Tensor& lora_a, 
   else lora_add_dispatch<bf16, float>(delta, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
   return delta;
 }
-
-// The next panel group's bytes, fetched into L2 a few lines per k step while the tiles of this group
-// compute: at 7+ rows a bf16 group's first tile would otherwise wait on memory (its weights arrive slower
-// than it uses them) while the later tiles find them in cache. fp32 gains less (twice the FMAs per byte):
-// the bench model's 120 projections at 32 rows, from memory, 2 threads, ~26 to ~23 ms (medians of 8
-// alternating runs on a noisy 2-core VM).
-struct NoPrefetch {  // one tile of rows: nothing to fetch ahead (the tile's loop keeps no check)
-  inline void step() {}
-};
-
-struct Prefetcher {
-  const char* cur = nullptr;
-  const char* end = nullptr;
-  int64_t per_step = 0;
-  Prefetcher() = default;
-  // bytes [from, from + bytes) over `steps` calls of step()
-  Prefetcher(const void* from, int64_t bytes, int64_t steps)
-      : cur(static_cast<const char*>(from)), end(static_cast<const char*>(from) + bytes),
-        per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 0) {}
-  inline void step() {
-    for (int64_t i = 0; i < per_step && cur < end; ++i, cur += 64) __builtin_prefetch(cur, 0, 2);  // to L2
-  }
-};
 
 // The fp32 bias of a panel GEMM with n outputs, checked, or nullptr.
 inline const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
