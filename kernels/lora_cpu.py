@@ -4,7 +4,9 @@ that picks one per slot.
     native    every token of every slot in one call per projection group (kernels/native_cpu.py's
               `lora_add`, where it is built): each token's shrink against its slot's A at the slot's own
               ranks, then its expand over a cached transposed copy of B, in fp32, each output rounded once.
-              No per-slot matmul calls: the torch strategies below spend most of a multi-adapter step in
+              A thread fetches the factors of the slot it takes next into L2 while it computes on the
+              current one (a slot's factors are a few short runs the hardware prefetcher alone streams
+              at about half the memory bandwidth). No per-slot matmul calls: the torch strategies below spend most of a multi-adapter step in
               thousands of small matmul dispatches (docs/benchmarks.md). "auto" takes it where it exists.
 
     by_slot   one slot at a time, straight from the padded buffers (no copy): its rows of x (a view for

@@ -22,9 +22,11 @@
 //                      AVX512-VNNI (bf16 x), or by AVX2 byte and word multiply-adds (bf16 or float32 x)
 //                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
 //                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx)
-//   lora_add           every token's LoRA delta of one projection group, all slots in one call
+//   lora_add           every token's LoRA delta of one projection group, all slots in one call (a thread
+//                      fetches the next slot's factors while it computes on one: LoraSlot, lora_tokens)
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
-//   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order
+//   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order;
+//                      gate/up's deltas (lora_delta) added inside silu_linear's product
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16). The KV cache may be finer
 // than q (bf16 caches under float32 q, or int8 rows with their scales: kernels/attention.py's module docstring);
@@ -1831,11 +1833,11 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
 }
 
 
-// The next panel group's bytes, fetched into L2 a few lines per k step while the tiles of this group
-// compute: at 7+ rows a bf16 group's first tile would otherwise wait on memory (its weights arrive slower
-// than it uses them) while the later tiles find them in cache. fp32 gains less (twice the FMAs per byte):
-// the bench model's 120 projections at 32 rows, from memory, 2 threads, ~26 to ~23 ms (medians of 8
-// alternating runs on a noisy 2-core VM).
+// Bytes fetched into L2 a few lines per step of a loop that computes on other data: lora_add's next slot
+// (lora_tokens), and the panel GEMMs' next group. For the GEMMs: at 7+ rows a bf16 group's first tile would
+// otherwise wait on memory (its weights arrive slower than it uses them) while the later tiles find them in
+// cache. fp32 gains less (twice the FMAs per byte): the bench model's 120 projections at 32 rows, from
+// memory, 2 threads, ~26 to ~23 ms (medians of 8 alternating runs on a noisy 2-core VM).
 struct NoPrefetch {  // one tile of rows: nothing to fetch ahead (the tile's loop keeps no check)
   inline void step() {}
 };
