@@ -175,9 +175,10 @@ def test_a_gateway_stalled_past_the_ttl_loses_its_lease_and_says_so(replicas):
             assert resp.status_code == 200
             lines = resp.iter_lines()  # NOTE: kept, so the stream stays open (see the killed-gateway test)
             next(lines)
-            [(_, expiry)] = r.zrange(leases_key, 0, -1, withscores=True)
             stalled.process.proc.send_signal(signal.SIGSTOP)
             try:
+                time.sleep(0.2)  # a renewal sent just before the stop lands first
+                [(_, expiry)] = r.zrange(leases_key, 0, -1, withscores=True)
                 while _redis_now(r) <= expiry:
                     time.sleep(0.05)
             finally:
