@@ -40,9 +40,9 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
     decode_layer(x, h, <the layer's projections>, ..., lora operands) -> next h
         Semantics: one decoder layer of an all-decode step, exactly the ops above in the order
         engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds
-        included: one Python call per layer instead of nine to thirteen. gate/up always goes through
-        silu_linear; a step's LoRA deltas on gate/up are computed first (in fp32) and added inside it where
-        lora_add would add them to the stored product, so the result is op by op's bit for bit.
+        included: one Python call per layer instead of nine to thirteen. Where silu_linear runs on AMX
+        tiles, a step's LoRA deltas on gate/up are computed first (in fp32) and added inside its epilogue
+        where lora_add would add them to the stored product, so the result is op by op's bit for bit.
 
 Threads: the GEMMs (panel groups), both attentions (row and head items) and lora_add (tiles of one slot's
 tokens) start from the contiguous shares at::parallel_for would give each of torch's threads, and a thread

@@ -26,7 +26,7 @@
 //                      fetches the next slot's factors while it computes on one: LoraSlot, lora_tokens)
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
 //   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order;
-//                      gate/up's deltas (lora_delta) added inside silu_linear's product
+//                      gate/up's deltas (lora_delta) added inside silu_linear's product on AMX tiles
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16). The KV cache may be finer
 // than q (bf16 caches under float32 q, or int8 rows with their scales: kernels/attention.py's module docstring);
@@ -3505,50 +3505,66 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   return f32_linear(x, w, n, bias);
 }
 
+// Which AMX tile path computes silu_linear(x, w, scales, n) in its epilogue, if any.
+enum class SiluTiles { kNone, kBf16, kW8a8 };
+
+SiluTiles silu_tiles(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n) {
+#if defined(LORAPLEX_AMX)
+  if (!(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && amx::use(x.size(0)) && n % 32 == 0 &&
+        w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == n))
+    return SiluTiles::kNone;
+  const int64_t K = x.size(1);
+  if (w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == K && K % 32 == 0 && !scales.has_value())
+    return SiluTiles::kBf16;
+#if defined(LORAPLEX_W8A8_VNNI)
+  if (w.scalar_type() == at::kByte && w.size(3) == 4 && w.size(1) * 4 == K && K % 64 == 0 && scales.has_value() &&
+      scales->numel() == n && scales->is_contiguous() &&
+      (scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kBFloat16))
+    return SiluTiles::kW8a8;
+#endif
+#else
+  (void)x, (void)w, (void)scales, (void)n;
+#endif
+  return SiluTiles::kNone;
+}
+
 // silu_mul(panel_linear(x, w, scales, n)) for a fused gate/up projection of n = 2 I columns, no bias. On AMX
-// tiles (bf16 x over bf16 panels or w8a8 quads, I a multiple of 16) the product's epilogue computes silu_mul
-// from the bf16-rounded gate and up sums, so the (M, 2 I) product is never stored and the result equals the
-// unfused one bit for bit; elsewhere the two ops run in turn. `delta` (fp32 (M, n), from lora_delta, or
-// nullptr): LoRA deltas added to the product first, rounded as lora_add rounds them.
+// tiles (bf16 x over bf16 panels or w8a8 quads, I a multiple of 16: silu_tiles) the product's epilogue
+// computes silu_mul from the bf16-rounded gate and up sums, so the (M, 2 I) product is never stored and the
+// result equals the unfused one bit for bit; elsewhere the two ops run in turn. `delta` (fp32 (M, n), from
+// lora_delta; tile paths only, else nullptr): LoRA deltas added to the product first, rounded as lora_add
+// rounds them.
 at::Tensor silu_linear_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n,
                             const at::Tensor* delta) {
   TORCH_CHECK(n % 2 == 0, "silu_linear: n must be even (gate and up halves)");
   TORCH_CHECK(delta == nullptr || (delta->scalar_type() == at::kFloat && delta->is_contiguous() && delta->dim() == 2 &&
                                    delta->size(0) == x.size(0) && delta->size(1) == n),
               "silu_linear: delta (M, n) float32, contiguous");
-  const float* dp = delta != nullptr ? delta->data_ptr<float>() : nullptr;
+  const SiluTiles tiles = silu_tiles(x, w, scales, n);
+  TORCH_CHECK(delta == nullptr || tiles != SiluTiles::kNone, "silu_linear: LoRA deltas need the fused tile paths");
 #if defined(LORAPLEX_AMX)
-  if (x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && amx::use(x.size(0)) && n % 32 == 0 &&
-      w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == n) {
-    const int64_t M = x.size(0), K = x.size(1);
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    if (w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == K && K % 32 == 0 && !scales.has_value()) {
-      at::Tensor out = at::empty({M, n / 2}, x.options());
-      amx_linear_bf16<true>(xp, x.stride(0), M, K / 2, w.data_ptr(), false, w.size(0), n,
-                            reinterpret_cast<uint16_t*>(out.data_ptr()), nullptr, nullptr, dp);
-      return out;
-    }
+  const float* dp = delta != nullptr ? delta->data_ptr<float>() : nullptr;
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  if (tiles == SiluTiles::kBf16) {
+    at::Tensor out = at::empty({M, n / 2}, x.options());
+    amx_linear_bf16<true>(xp, x.stride(0), M, K / 2, w.data_ptr(), false, w.size(0), n,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()), nullptr, nullptr, dp);
+    return out;
+  }
 #if defined(LORAPLEX_W8A8_VNNI)
-    if (w.scalar_type() == at::kByte && w.size(3) == 4 && w.size(1) * 4 == K && K % 64 == 0 && scales.has_value() &&
-        scales->numel() == n && scales->is_contiguous() &&
-        (scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kBFloat16)) {
-      std::vector<float> sf;
-      RowsI8 rows;
-      round_rows_i8(xp, x.stride(0), M, K, rows);
-      at::Tensor out = at::empty({M, n / 2}, x.options());
-      amx_linear_w8a8<true>(rows, M, K, w.data_ptr<uint8_t>(), w.size(0), n,
-                            reinterpret_cast<uint16_t*>(out.data_ptr()), scales_f32(*scales, sf), nullptr, dp);
-      return out;
-    }
-#endif
+  if (tiles == SiluTiles::kW8a8) {
+    std::vector<float> sf;
+    RowsI8 rows;
+    round_rows_i8(xp, x.stride(0), M, K, rows);
+    at::Tensor out = at::empty({M, n / 2}, x.options());
+    amx_linear_w8a8<true>(rows, M, K, w.data_ptr<uint8_t>(), w.size(0), n,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()), scales_f32(*scales, sf), nullptr, dp);
+    return out;
   }
 #endif
-  at::Tensor product = panel_linear(x, w, scales, n, std::nullopt);
-  if (delta != nullptr) {  // y + delta rounded to y's dtype, as lora_add adds its sums
-    if (product.scalar_type() == at::kFloat) product.add_(*delta);
-    else product.copy_(product.to(at::kFloat).add_(*delta));
-  }
-  return silu_mul(product);
+#endif
+  return silu_mul(panel_linear(x, w, scales, n, std::nullopt));
 }
 
 at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n) {
@@ -3606,13 +3622,18 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
   add_lora(1, o, attn);
   const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
   // silu_mul fused into the gate/up product where it can be; an adapter's deltas on gate/up are added there
+  // on the tile paths, and op by op elsewhere (lora_add in place: no delta buffer)
   at::Tensor act;
   if (first[2] < 0) {
     act = silu_linear_impl(h2, gate_up_w, gate_up_s, ns[2], nullptr);
-  } else {
+  } else if (silu_tiles(h2, gate_up_w, gate_up_s, ns[2]) != SiluTiles::kNone) {
     const int64_t t = first[2];
     const at::Tensor delta = lora_delta(h2, ns[2], lora[t], lora[t + 1], lora[t + 2], lora[t + 3], *token_slots, slices[2]);
     act = silu_linear_impl(h2, gate_up_w, gate_up_s, ns[2], &delta);
+  } else {
+    at::Tensor gate_up = panel_linear(h2, gate_up_w, gate_up_s, ns[2], none);
+    add_lora(2, gate_up, h2);
+    act = silu_mul(gate_up);
   }
   at::Tensor down = panel_linear(act, down_w, down_s, ns[3], none);
   add_lora(3, down, act);
