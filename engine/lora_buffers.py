@@ -43,7 +43,7 @@ class LoRAStepContext:
 
 
     def native_layer_args(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
-        """`layer`'s LoRA operands for the native decode layer (kernels/csrc/cpu_ops.cpp, decode_layer): per
+        """`layer`'s LoRA operands for the native layer (kernels/csrc/cpu_ops.cpp, layer_forward): per
         group the slice count (0 where no active slot adapts it) then its slice widths, and the four
         operands of each adapted group (kernels.lora_cpu.native_operands). None where the native kernel
         would not run a group: the layer then runs op by op."""

@@ -29,7 +29,7 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
     silu_linear(x, w, scales, n) -> (rows, n / 2)
         Semantics: silu_mul(y) for y = x @ W.T of a fused gate/up projection W (n, K) in native panels
-        (any kind decode_layer takes), no bias; equal to the two ops bit for bit. On AMX tiles (bf16 x over
+        (any kind layer_forward takes), no bias; equal to the two ops bit for bit. On AMX tiles (bf16 x over
         bf16 panels or w8a8 quads, n / 2 a multiple of 16) the product's epilogue computes it, so the
         (rows, n) product is never written.
     bf16_linear / f32_linear / int8_linear / int4_linear / w8a8_linear, lora_add
@@ -37,10 +37,12 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         bf16 x (bf16, int8, int4 panels): AVX512-BF16 builds; float32 x (f32 and int8 panels): AVX-512 or
         AVX2 builds (has_f32_linear, has_int8_linear_f32); w8a8 (int8 x int8): AVX512-VNNI for bf16 x,
         AVX2 for bf16 and float32 x (has_w8a8_linear, has_w8a8_linear_f32).
-    decode_layer(x, h, <the layer's projections>, ..., lora operands) -> next h
-        Semantics: one decoder layer of an all-decode step, exactly the ops above in the order
-        engine/models/llama.py's layer loop calls them (their twins where the op is not built), LoRA adds
-        included: one Python call per layer instead of nine to thirteen. Where silu_linear runs on AMX
+    layer_forward(x, h, <the layer's projections>, ..., lora operands) -> next h
+        Semantics: one decoder layer of a step, exactly the ops above in the order engine/models/llama.py's
+        layer loop calls them (their twins where the op is not built), LoRA adds included: one Python call
+        per layer instead of nine to thirteen. Attention as kernels.attention.paged_attention_native: the
+        decode rows by decode_attention (every row when decode_rows is None), each prefill chunk (first
+        row, end row, sequence) by prefill_attention. Where silu_linear runs on AMX
         tiles, a step's LoRA deltas on gate/up are computed first (in fp32) and added inside its epilogue
         where lora_add would add them to the stored product, so the result is op by op's bit for bit.
 

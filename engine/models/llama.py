@@ -68,9 +68,9 @@ class _Layer:
     gate_up: Weight  # (2 I, H) fused gate/up projection
     down: Weight  # (H, I)
 
-    # the native decode_layer op's weight arguments (kernels/csrc/cpu_ops.cpp), when every projection is in
+    # the native layer_forward op's weight arguments (kernels/csrc/cpu_ops.cpp), when every projection is in
     # native panels; None: the layer always runs op by op
-    decode_args: tuple[Any, ...] | None = None
+    native_args: tuple[Any, ...] | None = None
     # gate_up's native operands (weight, scales) for the fused silu_linear op; None: linear, then silu_mul
     gate_up_native: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -108,8 +108,8 @@ def _native_operands(w: Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return None
 
 
-def _decode_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
-    """decode_layer's weight arguments for `layer`, or None unless all four projections are native panels
+def _native_args(layer: _Layer, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """layer_forward's weight arguments for `layer`, or None unless all four projections are native panels
     (dense in the activation dtype, or int8 / int4 panels) and its norms share that dtype."""
     args: list[Any] = []
     widths: list[int] = []
@@ -163,7 +163,9 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         if torch.device(device).type == "cpu":
             self._weights_to_huge_pages()
-        self._decode_layer: Any = None  # torch.ops.loraplex_cpu.decode_layer where every layer has decode_args
+        self._native_layer: Any = None  # torch.ops.loraplex_cpu.layer_forward where every layer has native_args
+        self._native_prefill = False  # whether it also runs steps with prefill chunks (native prefill attention)
+        self._no_rows = torch.empty(0, dtype=torch.int64)  # a step's decode rows and ids when it has none
         self._silu_linear: Any = None  # torch.ops.loraplex_cpu.silu_linear where a layer has gate_up_native
         if torch.device(device).type == "cpu" and (ops := native_cpu.ops()) is not None:
             for layer in self.layers:
@@ -171,10 +173,11 @@ class LlamaModel:
             self._silu_linear = ops.silu_linear.default
         if not cfg.qk_norm:
             for layer in self.layers:
-                layer.decode_args = _decode_args(layer, self.dtype)
-            ops = native_cpu.ops() if all(layer.decode_args is not None for layer in self.layers) else None
+                layer.native_args = _native_args(layer, self.dtype)
+            ops = native_cpu.ops() if all(layer.native_args is not None for layer in self.layers) else None
             if ops is not None:
-                self._decode_layer = ops.decode_layer.default
+                self._native_layer = ops.layer_forward.default
+                self._native_prefill = ops.has_prefill_attention() and cfg.head_dim in (64, 128)
 
     def _weights_to_huge_pages(self) -> None:
         """Move what a decode step streams (the projections and the lm_head, in native panels: tensors made
@@ -268,20 +271,20 @@ class LlamaModel:
         eps, layers = cfg.rms_norm_eps, self.layers
         # x: the residual stream (T, H), owned here (add_rms_norm may update it in place); h: a norm of it
         x, h = add_rms_norm(self._embed(input_ids), None, layers[0].input_norm, eps)
-        decode = self._all_decode_inputs(n_tok, attn, lora, kv_caches)
-        if decode is not None:  # one native call per layer (the ops below, in C++)
+        native = self._native_step_inputs(n_tok, attn, lora, kv_caches)
+        if native is not None:  # one native call per layer (the ops below, in C++)
             cos2, sin2 = cos.reshape(n_tok, cfg.head_dim), sin.reshape(n_tok, cfg.head_dim)
             slots = None if lora is None else lora.meta.token_slots
             no_lora: tuple[list[torch.Tensor], list[int]] = ([], [])
             for i, layer in enumerate(layers):
                 next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
-                assert layer.decode_args is not None
+                assert layer.native_args is not None
                 adds = no_lora if lora is None else lora.native_layer_args(i, self.dtype)
                 if adds is None:  # an adapter group the native kernel does not run: this layer op by op
                     x, h = self._layer(i, layer, x, h, n_tok, cos, sin, kv_caches, attn, lora, next_norm)
                     continue
-                h = self._decode_layer(x, h, *layer.decode_args, next_norm, eps, cos2, sin2, *kv_caches[i],
-                                       attn.slot_mapping, *decode, cfg.num_heads, self.scale, cfg.sliding_window or 0,
+                h = self._native_layer(x, h, *layer.native_args, next_norm, eps, cos2, sin2, *kv_caches[i],
+                                       attn.slot_mapping, *native, cfg.num_heads, self.scale, cfg.sliding_window or 0,
                                        *adds, slots)
             return h
         for i, layer in enumerate(layers):
@@ -328,18 +331,29 @@ class LlamaModel:
             lora.add(i, "down", act, down)
         return add_rms_norm(x, down, next_norm, eps)
 
-    def _all_decode_inputs(self, n_tok: int, attn: AttentionInputs, lora: LoRAContext | None,
-                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...] | None:
-        """(block tables int32, sequence ids, sequence lengths int32) for decode_layer when this step can run
-        it: every sequence decodes one token and the native ops take the caches' dtype (adapters: per layer,
-        LoRAContext.native_layer_args)."""
+    def _native_step_inputs(self, n_tok: int, attn: AttentionInputs, lora: LoRAContext | None,
+                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...] | None:
+        """layer_forward's step arguments (block tables int32, the decode rows' sequence ids, sequence lengths
+        int32, the decode rows or None for all, the prefill chunks as (first row, end row, sequence) triples),
+        or None where this step runs op by op: the native ops must take the caches' dtype, and steps with
+        prefill chunks need the native prefill attention and no adapter (their LoRA adds stay in torch's
+        batched products; an all-decode step's go native per layer, LoRAContext.native_layer_args)."""
         plan = attn.plan
-        if (self._decode_layer is None or plan is None or not plan.decode_seqs
-                or not len(plan.decode_seqs) == len(plan.seq_lens) == n_tok or kv_caches[0][0].dtype not in NATIVE_CACHE_DTYPES.get(self.dtype, ())):
+        if (self._native_layer is None or plan is None
+                or kv_caches[0][0].dtype not in NATIVE_CACHE_DTYPES.get(self.dtype, ())):
             return None
         lens, tables = attn.seq_lens, attn.block_tables
-        return (tables if tables.dtype == torch.int32 else tables.to(torch.int32), plan.decode_ids,
-                (lens if lens.dtype == torch.int32 else lens.to(torch.int32)).contiguous())
+        tables = tables if tables.dtype == torch.int32 else tables.to(torch.int32)
+        lens = (lens if lens.dtype == torch.int32 else lens.to(torch.int32)).contiguous()
+        if plan.decode_seqs and len(plan.decode_seqs) == len(plan.seq_lens) == n_tok:
+            return tables, plan.decode_ids, lens, None, []
+        if not self._native_prefill or lora is not None:
+            return None
+        starts = plan.starts
+        prefill = [v for i in range(len(plan.seq_lens)) if starts[i + 1] - starts[i] > 1
+                   for v in (starts[i], starts[i + 1], i)]
+        ids = plan.decode_ids if plan.decode_ids is not None else self._no_rows
+        return tables, ids, lens, plan.decode_rows if plan.decode_seqs else self._no_rows, prefill
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, dense_cpu.PackedDense):

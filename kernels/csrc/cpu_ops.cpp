@@ -25,8 +25,9 @@
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call (a thread
 //                      fetches the next slot's factors while it computes on one: LoraSlot, lora_tokens)
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
-//   decode_layer       one decoder layer of an all-decode step (LoRA adds included), the ops above in order;
-//                      gate/up's deltas (lora_delta) added inside silu_linear's product on AMX tiles
+//   layer_forward      one decoder layer of a step (LoRA adds included), the ops above in order: decode rows
+//                      by decode_attention, prefill chunks by prefill_attention; gate/up's deltas (lora_delta)
+//                      added inside silu_linear's product on AMX tiles
 //
 // Floats are accumulated in fp32 whatever the storage dtype (float32 or bfloat16). The KV cache may be finer
 // than q (bf16 caches under float32 q, or int8 rows with their scales: kernels/attention.py's module docstring);
@@ -3481,24 +3482,25 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #endif
 }
 
-// ---- decode_layer ------------------------------------------------------------------------------------------
-// One decoder layer of a step in which every sequence decodes one token: the ops above in the model's order
-// (engine/models/llama.py), LoRA adds included, called from here instead of from Python, so a batch-1 step
-// pays one Python call per layer instead of nine (thirteen with adapters). Projections are panels: float32 (3-d), bf16
+// ---- layer_forward -----------------------------------------------------------------------------------------
+// One decoder layer of a step: the ops above in the model's order (engine/models/llama.py), LoRA adds
+// included, called from here instead of from Python, so a step pays one Python call per layer instead of nine
+// (thirteen with adapters): a batch-1 decode step's dispatch, and a 512-token prefill's ~10 % of single-threaded
+// Python between its parallel ops. Projections are panels: float32 (3-d), bf16
 // or int8 with bf16 scales (4-d); `ns` their output widths (qkv, o, gate_up, down). Updates the residual
 // `x` in place, writes the layer's keys and values, and returns the next sublayer's normed input.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t n,
                         const std::optional<at::Tensor>& bias) {
   if (w.scalar_type() == at::kChar) {
-    TORCH_CHECK(scales.has_value(), "decode_layer: an int8 projection needs its scales");
+    TORCH_CHECK(scales.has_value(), "layer_forward: an int8 projection needs its scales");
     return int8_linear(x, w, *scales, bias);
   }
   if (w.scalar_type() == at::kByte && w.dim() == 4) {
-    TORCH_CHECK(scales.has_value(), "decode_layer: a w8a8 projection needs its scales");
+    TORCH_CHECK(scales.has_value(), "layer_forward: a w8a8 projection needs its scales");
     return w8a8_linear(x, w, *scales, bias);
   }
   if (w.scalar_type() == at::kByte) {
-    TORCH_CHECK(scales.has_value(), "decode_layer: an int4 projection needs its scales and zeros");
+    TORCH_CHECK(scales.has_value(), "layer_forward: an int4 projection needs its scales and zeros");
     return int4_linear(x, w, *scales, bias);
   }
   if (w.scalar_type() == at::kBFloat16) return bf16_linear(x, w, n, bias);
@@ -3571,28 +3573,58 @@ at::Tensor silu_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return silu_linear_impl(x, w, scales, n, nullptr);
 }
 
-at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_s,
+// The step's attention over the paged caches, as kernels.attention.paged_attention_native computes it: the
+// decode rows (every row of q when decode_rows is None) by decode_attention, and each prefill chunk (`prefill`:
+// first row, end row and sequence index, three ints a chunk) by prefill_attention over its sequence's blocks.
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& seq_lens,
+                          const std::optional<at::Tensor>& decode_rows, const std::vector<int64_t>& prefill,
+                          double scale, int64_t window) {
+  if (!decode_rows.has_value() && prefill.empty())
+    return decode_attention(q, k_cache, v_cache, block_tables, seq_ids, seq_lens, scale, window);
+  TORCH_CHECK(prefill.size() % 3 == 0, "layer_forward: prefill holds (first row, end row, sequence) triples");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (decode_rows.has_value() && decode_rows->numel() > 0) {
+    out.index_copy_(0, *decode_rows, decode_attention(q.index_select(0, *decode_rows), k_cache, v_cache, block_tables,
+                                                      seq_ids, seq_lens, scale, window));
+  }
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t block_size = k_cache.size(1), S = seq_lens.numel();
+  for (size_t c = 0; c < prefill.size(); c += 3) {
+    const int64_t start = prefill[c], n = prefill[c + 1] - start, s = prefill[c + 2];
+    TORCH_CHECK(start >= 0 && n >= 1 && start + n <= q.size(0) && s >= 0 && s < S,
+                "layer_forward: a prefill chunk outside the step's rows or sequences");
+    const int64_t len = lens[s], blocks = (len + block_size - 1) / block_size;
+    TORCH_CHECK(blocks <= block_tables.size(1), "layer_forward: a prefill chunk's sequence outgrows its block table");
+    out.narrow(0, start, n).copy_(prefill_attention(q.narrow(0, start, n), k_cache, v_cache,
+                                                    block_tables.select(0, s).narrow(0, 0, blocks), len, scale, window));
+  }
+  return out;
+}
+
+at::Tensor layer_forward(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_s,
                         const std::optional<at::Tensor>& qkv_b, const at::Tensor& o_w, const std::optional<at::Tensor>& o_s,
                         const at::Tensor& gate_up_w, const std::optional<at::Tensor>& gate_up_s, const at::Tensor& down_w,
                         const std::optional<at::Tensor>& down_s, std::vector<int64_t> ns, const at::Tensor& post_norm,
                         const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& seq_ids, const at::Tensor& seq_lens, int64_t num_q_heads, double scale,
-                        int64_t window, at::TensorList lora, std::vector<int64_t> lora_groups,
-                        const std::optional<at::Tensor>& token_slots) {
-  TORCH_CHECK(ns.size() == 4, "decode_layer: ns holds the widths of qkv, o, gate_up and down");
+                        const at::Tensor& seq_ids, const at::Tensor& seq_lens,
+                        const std::optional<at::Tensor>& decode_rows, std::vector<int64_t> prefill,
+                        int64_t num_q_heads, double scale, int64_t window, at::TensorList lora,
+                        std::vector<int64_t> lora_groups, const std::optional<at::Tensor>& token_slots) {
+  TORCH_CHECK(ns.size() == 4, "layer_forward: ns holds the widths of qkv, o, gate_up and down");
   // LoRA: per group (qkv, o, gate_up, down) its slice count (0: no adapter of this step touches it), then
   // the slice widths; `lora` holds (lora_a, b_t, ranks, scaling) of each group present (kernels.lora_cpu)
   std::vector<std::vector<int64_t>> slices(4);
   std::vector<int64_t> first(4, -1);
   if (!lora_groups.empty()) {
-    TORCH_CHECK(token_slots.has_value(), "decode_layer: LoRA needs the tokens' slots");
+    TORCH_CHECK(token_slots.has_value(), "layer_forward: LoRA needs the tokens' slots");
     size_t at = 0;
     int64_t tensor = 0;
     for (int g = 0; g < 4; ++g) {
-      TORCH_CHECK(at < lora_groups.size(), "decode_layer: lora_groups names every group");
+      TORCH_CHECK(at < lora_groups.size(), "layer_forward: lora_groups names every group");
       const int64_t count = lora_groups[at++];
-      TORCH_CHECK(count >= 0 && at + count <= lora_groups.size(), "decode_layer: bad lora_groups");
+      TORCH_CHECK(count >= 0 && at + count <= lora_groups.size(), "layer_forward: bad lora_groups");
       slices[g].assign(lora_groups.begin() + at, lora_groups.begin() + at + count);
       at += count;
       if (count > 0) {
@@ -3600,7 +3632,7 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
         tensor += 4;
       }
     }
-    TORCH_CHECK(static_cast<int64_t>(lora.size()) == tensor, "decode_layer: four LoRA tensors per adapted group");
+    TORCH_CHECK(static_cast<int64_t>(lora.size()) == tensor, "layer_forward: four LoRA tensors per adapted group");
   }
   auto add_lora = [&](int g, at::Tensor& y, const at::Tensor& in) {
     if (first[g] < 0) return;
@@ -3609,15 +3641,15 @@ at::Tensor decode_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv
   };
   const int64_t T = h.size(0), D = kv_head_dim(k_cache), hkv = k_cache.size(2);
   const int64_t q_size = num_q_heads * D, kv_size = hkv * D;
-  TORCH_CHECK(ns[0] == q_size + 2 * kv_size, "decode_layer: the qkv width must be (H_q + 2 H_kv) * D");
+  TORCH_CHECK(ns[0] == q_size + 2 * kv_size, "layer_forward: the qkv width must be (H_q + 2 H_kv) * D");
   const std::optional<at::Tensor> none;
   at::Tensor qkv = panel_linear(h, qkv_w, qkv_s, ns[0], qkv_b);  // (T, q + 2 kv)
   add_lora(0, qkv, h);
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_q_heads + hkv, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, D});
   rope_store_kv(qk, v, cos, sin, num_q_heads, k_cache, v_cache, slots);
-  const at::Tensor attn = decode_attention(qk.narrow(1, 0, num_q_heads), k_cache, v_cache, block_tables, seq_ids,
-                                           seq_lens, scale, window).view({T, q_size});
+  const at::Tensor attn = step_attention(qk.narrow(1, 0, num_q_heads), k_cache, v_cache, block_tables, seq_ids,
+                                         seq_lens, decode_rows, prefill, scale, window).view({T, q_size});
   at::Tensor o = panel_linear(attn, o_w, o_s, ns[1], none);
   add_lora(1, o, attn);
   const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
@@ -3667,11 +3699,11 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_w8a8_linear() -> bool", &has_w8a8_linear);
   m.def("has_w8a8_linear_f32() -> bool", &has_w8a8_linear_f32);
   m.def("has_int8_linear_f32() -> bool", &has_int8_linear_f32);
-  m.def("decode_layer(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
+  m.def("layer_forward(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
-        "Tensor block_tables, Tensor seq_ids, Tensor seq_lens, int num_q_heads, float scale, int window, "
-        "Tensor[] lora, int[] lora_groups, Tensor? token_slots) -> Tensor");
+        "Tensor block_tables, Tensor seq_ids, Tensor seq_lens, Tensor? decode_rows, int[] prefill, int num_q_heads, "
+        "float scale, int window, Tensor[] lora, int[] lora_groups, Tensor? token_slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
@@ -3687,5 +3719,5 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("f32_linear", &f32_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
-  m.impl("decode_layer", &decode_layer);
+  m.impl("layer_forward", &layer_forward);
 }

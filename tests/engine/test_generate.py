@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -157,33 +158,48 @@ def test_the_torch_twins_give_the_native_cpu_paths_tokens(llama_dir, monkeypatch
     ("mistral", {"extra": {"sliding_window": 8}}, {}),  # windowed decode attention
     ("qwen2", {}, {"dtype": "bfloat16"}),  # q/k/v bias
 ])
-def test_the_native_decode_layer_gives_the_op_by_op_tokens(make_model, family, overrides, fields):
-    """An all-decode step runs each layer as one native call (decode_layer) where every projection is in
-    native panels; it calls the same ops in the same order as the Python layer loop: the same tokens."""
+def test_the_native_layer_gives_the_op_by_op_hidden_states_bit_for_bit(make_model, family, overrides, fields):
+    """A step runs each layer as one native call (layer_forward) where every projection is in native panels:
+    decode rows, prefill chunks, or both in one step. It calls the same ops in the same order as the Python
+    layer loop, so every step's hidden states are the loop's bit for bit. A small token budget chunks the
+    long prompts, so steps mix a chunk (past the window, for mistral) with other sequences' decodes."""
     from kernels import native_cpu
 
     ops = native_cpu.ops()
-    model_dir = make_model(family, **overrides)
+    model_dir = make_model(family, head_dim=64, **overrides)  # a head_dim the native prefill attention takes
     dtype = EngineConfig(model=str(model_dir), **fields).torch_dtype(ModelConfig.from_pretrained(model_dir))
     needs = {"none": ("has_f32_linear", "has_bf16_linear"), "int8": ("has_int8_linear_f32", "has_bf16_linear"),
              "w8a8": ("has_w8a8_linear_f32", "has_w8a8_linear")}[fields.get("quantization", "none")]
-    if ops is None or not getattr(ops, needs[dtype == torch.bfloat16])():
+    if ops is None or not getattr(ops, needs[dtype == torch.bfloat16])() or not ops.has_prefill_attention():
         pytest.skip(f"no native {dtype} panel kernel for {fields.get('quantization', 'dense')} weights here")
-    prompts = random_prompts(600, [5, 40, 1, 23, 17, 9], seed=5)
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    runs = []
-    for fused in (True, False):
-        llm = LLM(model_dir, num_kv_blocks=64, max_num_batched_tokens=256, **fields)
-        model = llm.engine.runner.model
-        assert model._decode_layer is not None
-        calls = []
-        native = model._decode_layer
+    llm = LLM(model_dir, num_kv_blocks=64, max_num_batched_tokens=48, **fields)
+    model = llm.engine.runner.model
+    native, forward = model._native_layer, model.forward
+    assert native is not None and model._native_prefill
+    kinds: collections.Counter[str] = collections.Counter()
 
-        def counted(*args, native=native, calls=calls):
+    def both_ways(input_ids, positions, kv_caches, attn, lora=None):
+        calls = []
+
+        def counted(*args):
             calls.append(1)
             return native(*args)
 
-        model._decode_layer = counted if fused else None
-        runs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
-        assert (len(calls) > 0) == fused
-    assert runs[0] == runs[1]
+        model._native_layer = counted
+        fused = forward(input_ids, positions, kv_caches, attn, lora)
+        model._native_layer = None
+        plain = forward(input_ids, positions, kv_caches, attn, lora)  # rewrites the same keys and values
+        model._native_layer = native
+        assert torch.equal(fused, plain)
+        starts = attn.plan.starts
+        chunks = sum(starts[i + 1] - starts[i] > 1 for i in range(len(starts) - 1))
+        decodes = len(attn.plan.decode_seqs)
+        kind = "mixed" if chunks and decodes else "prefill" if chunks else "decode"
+        kinds[kind + ("" if calls else " op by op")] += 1
+        return fused
+
+    model.forward = both_ways
+    prompts = random_prompts(600, [5, 40, 23, 17, 1, 9, 70, 3], seed=5)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert set(kinds) == {"mixed", "prefill", "decode"}, kinds

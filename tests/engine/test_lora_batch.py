@@ -85,27 +85,27 @@ def test_bf16_mixed_batch_stays_close_to_fp32(four_adapters):
 
 
 @pytest.mark.parametrize(("dtype", "tiles"), [("float32", "avx512"), ("bfloat16", "avx512"), ("bfloat16", "amx")])
-def test_the_native_decode_layer_adds_the_same_lora_deltas_as_op_by_op(four_adapters, dtype, tiles):
-    """All-decode steps with adapters run each layer as one native call (decode_layer, its LoRA adds
+def test_the_native_layer_adds_the_same_lora_deltas_as_op_by_op(four_adapters, dtype, tiles):
+    """All-decode steps with adapters run each layer as one native call (layer_forward, its LoRA adds
     included; gate/up's deltas added inside the fused silu_linear product, on AMX tiles where they run):
     the same logprobs, to the bit, as the Python layer loop on the same mixed batch."""
     from kernels import native_cpu
 
     ops = native_cpu.ops()
     if ops is None or not ops.has_f32_linear():
-        pytest.skip("the native decode layer needs the AVX-512 panels")
+        pytest.skip("the native layer needs the AVX-512 panels")
     if dtype == "bfloat16" and not ops.has_bf16_linear():
         pytest.skip("bf16 panels need avx512_bf16")
     if tiles == "amx" and not ops.has_amx():
         pytest.skip("this CPU (or its OS) has no AMX tiles")
     ops.set_amx(tiles == "amx")
     try:
-        _decode_layer_against_op_by_op(four_adapters, dtype)
+        _native_layer_against_op_by_op(four_adapters, dtype)
     finally:
         ops.set_amx(True)
 
 
-def _decode_layer_against_op_by_op(four_adapters, dtype):
+def _native_layer_against_op_by_op(four_adapters, dtype):
     model_dir, _, refs = four_adapters
     names = list(refs)
     adapters = [names[i % 4] for i in range(6)] + [None]
@@ -118,13 +118,13 @@ def _decode_layer_against_op_by_op(four_adapters, dtype):
         for name, ref in refs.items():
             llm.load_adapter(name, ref.path)
         model = llm.engine.runner.model
-        native, calls = model._decode_layer, []
+        native, calls = model._native_layer, []
 
         def counted(*args, native=native, calls=calls):
             calls.append(len(args[-3]))  # the LoRA operands passed
             return native(*args)
 
-        model._decode_layer = counted if fused else None
+        model._native_layer = counted if fused else None
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
         runs.append([(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs])
         assert (fused and any(calls)) or (not fused and not calls)  # adapters went through the native layer
