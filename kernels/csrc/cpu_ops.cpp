@@ -934,9 +934,8 @@ bool has_prefill_attention() {
 }
 
 #if defined(__AVX512F__)
-// exp of 16 floats (x clamped to [-87, 88]; -inf gives ~0), 2^n * p(f) as in fast_exp, scaled by vscalefps.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+// exp of x in [-87, 88] for 16 floats: 2^n * p(f) as in fast_exp, scaled by vscalefps.
+inline __m512 exp16_in_range(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -949,6 +948,14 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// exp of 16 floats, x clamped to [-87, 88] (-inf gives ~0)
+inline __m512 exp16(__m512 x) {
+  return exp16_in_range(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)));
+}
+
+// exp16 for x <= 0 (softmax numerators): the upper clamp never applies there, so the value is exp16's bit for bit
+inline __m512 exp16_nonpositive(__m512 x) { return exp16_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.f))); }
 
 constexpr int kPrefillRows = 32;  // queries per work item
 
@@ -1314,21 +1321,36 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
             continue;
           }
           __m512 s_row[KB / 16];
-          __mmask16 valid[KB / 16];
           __m512 mx = neg_inf;
-          for (int v = 0; v < KB / 16; ++v) {
-            valid[v] = _mm512_cmple_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(pos)));
-            valid[v] &= _mm512_cmpge_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(lo)));
-            s_row[v] = _mm512_mask_blend_ps(valid[v], neg_inf, _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v),
-                                                                              _mm512_set1_ps(scale)));
-            mx = _mm512_max_ps(mx, s_row[v]);
-          }
-          const float m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));  // finite: the row sees a key
           __m512 psum = _mm512_setzero_ps();
           __m512 pr[KB / 16];
-          for (int v = 0; v < KB / 16; ++v) {
-            pr[v] = _mm512_maskz_mov_ps(valid[v], exp16(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new))));
-            psum = _mm512_add_ps(psum, pr[v]);
+          float m_new;
+          if (j0 + KB - 1 <= pos && j0 >= lo) {
+            // every key of the block visible (all but the diagonal and window-edge blocks): no masks, and
+            // exp16's upper clamp left out (s - max <= 0), which gives the masked path's values bit for bit
+            for (int v = 0; v < KB / 16; ++v) {
+              s_row[v] = _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v), _mm512_set1_ps(scale));
+              mx = _mm512_max_ps(mx, s_row[v]);
+            }
+            m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));
+            for (int v = 0; v < KB / 16; ++v) {
+              pr[v] = exp16_nonpositive(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new)));
+              psum = _mm512_add_ps(psum, pr[v]);
+            }
+          } else {
+            __mmask16 valid[KB / 16];
+            for (int v = 0; v < KB / 16; ++v) {
+              valid[v] = _mm512_cmple_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(pos)));
+              valid[v] &= _mm512_cmpge_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(lo)));
+              s_row[v] = _mm512_mask_blend_ps(valid[v], neg_inf, _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v),
+                                                                                _mm512_set1_ps(scale)));
+              mx = _mm512_max_ps(mx, s_row[v]);
+            }
+            m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));  // finite: the row sees a key
+            for (int v = 0; v < KB / 16; ++v) {
+              pr[v] = _mm512_maskz_mov_ps(valid[v], exp16(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new))));
+              psum = _mm512_add_ps(psum, pr[v]);
+            }
           }
           for (int v = 0; v < KB / 16; v += 2)  // keys 16 v .. 16 v + 31 in order, as bf16
             _mm512_store_si512(p[u] + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(pr[v + 1], pr[v]));
@@ -2376,15 +2398,18 @@ namespace amx {
 
 #if defined(LORAPLEX_AMX)
 // C tiles 0 .. 3 = (row block 0, panel 0), (0, 1), (1, 0), (1, 1), stored to c[4][16][16].
-template <int MT, int NT, bool I8>
-inline void block(const char* x, int64_t xs_bytes, const char* w0, const char* w1, int64_t steps, void* c) {
+// `between(s)` runs after step s's products are issued: other work (the previous block's epilogue) that the
+// vector units do while the tile unit computes.
+template <int MT, int NT, bool I8, class Between>
+inline void block(const char* x, int64_t xs_bytes, const char* w0, const char* w1, int64_t steps, void* c,
+                  Between&& between) {
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (MT > 1) _tile_zero(2);
   if constexpr (MT > 1 && NT > 1) _tile_zero(3);
   const char* x1 = x + 16 * xs_bytes;
   for (int64_t s = 0; s < steps; ++s) {  // 64 bytes of every row of x and 16 rows (1 KB) of each panel
-    _tile_loadd(4, x + s * 64, xs_bytes);
+    _tile_stream_loadd(4, x + s * 64, xs_bytes);
     _tile_loadd(6, w0 + s * 1024, 64);
     if constexpr (I8) _tile_dpbsud(0, 4, 6); else _tile_dpbf16ps(0, 4, 6);
     if constexpr (NT > 1) {
@@ -2392,12 +2417,13 @@ inline void block(const char* x, int64_t xs_bytes, const char* w0, const char* w
       if constexpr (I8) _tile_dpbsud(1, 4, 7); else _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (MT > 1) {
-      _tile_loadd(5, x1 + s * 64, xs_bytes);
+      _tile_stream_loadd(5, x1 + s * 64, xs_bytes);
       if constexpr (I8) _tile_dpbsud(2, 5, 6); else _tile_dpbf16ps(2, 5, 6);
       if constexpr (NT > 1) {
         if constexpr (I8) _tile_dpbsud(3, 5, 7); else _tile_dpbf16ps(3, 5, 7);
       }
     }
+    between(s);
   }
   auto* cb = static_cast<char*>(c);
   _tile_stored(0, cb, 64);
@@ -2406,20 +2432,23 @@ inline void block(const char* x, int64_t xs_bytes, const char* w0, const char* w
   if constexpr (MT > 1 && NT > 1) _tile_stored(3, cb + 3072, 64);
 }
 
-template <bool I8>
+template <bool I8, class Between>
 inline void block_dispatch(int mt, int nt, const char* x, int64_t xs_bytes, const char* w0, const char* w1,
-                           int64_t steps, void* c) {
-  if (mt == 2 && nt == 2) block<2, 2, I8>(x, xs_bytes, w0, w1, steps, c);
-  else if (mt == 2) block<2, 1, I8>(x, xs_bytes, w0, w1, steps, c);
-  else if (nt == 2) block<1, 2, I8>(x, xs_bytes, w0, w1, steps, c);
-  else block<1, 1, I8>(x, xs_bytes, w0, w1, steps, c);
+                           int64_t steps, void* c, Between&& between) {
+  if (mt == 2 && nt == 2) block<2, 2, I8>(x, xs_bytes, w0, w1, steps, c, between);
+  else if (mt == 2) block<2, 1, I8>(x, xs_bytes, w0, w1, steps, c, between);
+  else if (nt == 2) block<1, 2, I8>(x, xs_bytes, w0, w1, steps, c, between);
+  else block<1, 1, I8>(x, xs_bytes, w0, w1, steps, c, between);
 }
 
 // Rows [m0, min(m0 + 16 mt, M)) of panels p .. p + nt - 1 from the C tiles: fp32 sums (or int32, made
 // exact by the row's correction) times the column scale (and the row's), plus bias, rounded to bf16.
+// Only the block's rows t0 .. t1 - 1 (of its 16 mt) are written: the epilogue runs in slices (amx::gemm).
 template <bool I8>
-inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64_t p, int64_t N, uint16_t* out,
-                     int64_t os, const float* scale, const float* bias, const float* sx, const int32_t* xsum) {
+inline void epilogue(const void* c, int64_t t0, int64_t t1, int nt, int64_t m0, int64_t M, int64_t p, int64_t N,
+                     uint16_t* out, int64_t os, const float* scale, const float* bias, const float* sx,
+                     const int32_t* xsum) {
+  t1 = std::min<int64_t>(t1, M - m0);
   for (int j = 0; j < nt; ++j) {
     const int64_t n0 = (p + j) * 16;
     const int64_t valid = std::min<int64_t>(16, N - n0);
@@ -2427,10 +2456,10 @@ inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64
     const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.f);
-    for (int i = 0; i < mt; ++i) {
-      const char* tile = static_cast<const char*>(c) + (i * 2 + j) * 1024;
-      for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r) {
-        const int64_t row = m0 + i * 16 + r;
+    for (int64_t t = t0; t < t1; ++t) {
+      const char* tile = static_cast<const char*>(c) + ((t / 16) * 2 + j) * 1024;
+      {
+        const int64_t r = t % 16, row = m0 + t;
         __m512 y;
         if constexpr (I8) {
           const __m512i acc = _mm512_load_si512(tile + r * 64);
@@ -2451,16 +2480,18 @@ inline void epilogue(const void* c, int mt, int nt, int64_t m0, int64_t M, int64
 // silu_mul's operations on them (silu in bf16, then the product), so the I = 16 half columns of out equal
 // silu_mul(the unfused output) bit for bit.
 template <bool I8>
-inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t q, int64_t half, uint16_t* out,
-                          int64_t os, const float* scale, const float* sx, const int32_t* xsum, const float* delta) {
+inline void epilogue_silu(const void* c, int64_t t0, int64_t t1, int64_t m0, int64_t M, int64_t q, int64_t half,
+                          uint16_t* out, int64_t os, const float* scale, const float* sx, const int32_t* xsum,
+                          const float* delta) {
   const __m512 sg = scale ? _mm512_loadu_ps(scale + q * 16) : _mm512_set1_ps(1.f);
   const __m512 su = scale ? _mm512_loadu_ps(scale + (q + half) * 16) : _mm512_set1_ps(1.f);
   auto* o = reinterpret_cast<bf16*>(out);
-  for (int i = 0; i < mt; ++i) {
-    const char* tg = static_cast<const char*>(c) + (i * 2) * 1024;
+  t1 = std::min<int64_t>(t1, M - m0);
+  for (int64_t t = t0; t < t1; ++t) {
+    const char* tg = static_cast<const char*>(c) + (t / 16) * 2 * 1024;
     const char* tu = tg + 1024;
-    for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r) {
-      const int64_t row = m0 + i * 16 + r;
+    {
+      const int64_t r = t % 16, row = m0 + t;
       __m512 g, u;
       if constexpr (I8) {
         const __m512i fix = _mm512_set1_epi32(128 * xsum[row]);
@@ -2487,7 +2518,7 @@ inline void epilogue_silu(const void* c, int mt, int64_t m0, int64_t M, int64_t 
 // A thread's tile state and buffers, for all the items it runs (parallel_stealing's Scratch).
 struct Scratch {
   Tiles tiles;
-  alignas(64) char c[4 * 1024];
+  alignas(64) char c[2][4 * 1024];  // the C tiles of two row blocks: one being computed, one in its epilogue
   std::vector<char> buffer;
 };
 
@@ -2507,12 +2538,25 @@ void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t pan
     const int64_t p = 2 * item;
     const int nt = SILU ? 2 : static_cast<int>(std::min<int64_t>(2, panels - p));
     const char* w0 = weights(item, sc.buffer);
+    // Row block b's epilogue runs in slices between block b + 1's tile steps, from the other C buffer: the
+    // vector units work through it while the tile unit computes (after the whole block, it waited for it).
+    auto finish = [&](int64_t m, int64_t t0, int64_t t1) {
+      const void* c = sc.c[(m / 32) & 1];
+      if constexpr (SILU) epilogue_silu<I8>(c, t0, t1, m, M, item, half, out, N / 2, scale, sx, xsum, delta);
+      else epilogue<I8>(c, t0, t1, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
+    };
+    int64_t prev = -1, prev_rows = 0;
     for (int64_t m = 0; m < Mp; m += 32) {
       const int mt = static_cast<int>(std::min<int64_t>(2, (Mp - m) / 16));
-      block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + second, steps, sc.c);
-      if constexpr (SILU) epilogue_silu<I8>(sc.c, mt, m, M, item, half, out, N / 2, scale, sx, xsum, delta);
-      else epilogue<I8>(sc.c, mt, nt, m, M, p, N, out, N, scale, bias, sx, xsum);
+      const int64_t per_step = prev >= 0 ? (prev_rows + steps - 1) / steps : 0;
+      block_dispatch<I8>(mt, nt, x + m * xs_bytes, xs_bytes, w0, w0 + second, steps, sc.c[(m / 32) & 1],
+                         [&](int64_t s) {
+                           if (per_step > 0) finish(prev, s * per_step, std::min((s + 1) * per_step, prev_rows));
+                         });
+      prev = m;
+      prev_rows = 16 * mt;
     }
+    finish(prev, 0, prev_rows);
   });
 }
 
