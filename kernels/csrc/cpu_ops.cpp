@@ -1583,9 +1583,37 @@ inline __m512 rounded16(__m512 v, const bf16*) {
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
 inline void store16m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+#if defined(__AVX512BF16__)
+// v's bf16 bits, rounded to nearest even as torch rounds, NaN as torch's 0x7FC0: one VCVTNEPS2BF16, which
+// flushes fp32 denormals (below 1.2e-38) to zero where torch keeps them
+inline __m256i bf16_bits16(__m512 v) {
+  return _mm256_mask_mov_epi16((__m256i)_mm512_cvtneps_pbh(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm256_set1_epi16(0x7FC0));
+}
+#endif
 inline void store16m(bf16* p, __m512 v, __mmask16 m) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(p, m, bf16_bits16(v));
+#else
   const __m512i r = _mm512_castps_si512(rounded16(v, p));
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+}
+// store16m, returning the value as stored (as loading it back would give)
+inline __m512 stored16m(float* p, __m512 v, __mmask16 m) {
+  store16m(p, v, m);
+  return v;
+}
+inline __m512 stored16m(bf16* p, __m512 v, __mmask16 m) {
+#if defined(__AVX512BF16__)
+  const __m256i r = bf16_bits16(v);
+  _mm256_mask_storeu_epi16(p, m, r);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+#else
+  v = rounded16(v, p);
+  store16m(p, v, m);
+  return v;
+#endif
 }
 // silu(g) = g / (1 + exp(-g)) rounded to T: silu_mul's first op (F.silu in the input dtype)
 template <typename T>
@@ -1619,8 +1647,7 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor* delta, const at::
         const __mmask16 m = first_lanes(H - i);
         __m512 v = load16m(x + i, m);
         if (dr) {
-          v = rounded16(_mm512_add_ps(v, load16m(dr + i, m)), x);  // rounded as torch's x + delta
-          store16m(x + i, v, m);
+          v = stored16m(x + i, _mm512_add_ps(v, load16m(dr + i, m)), m);  // rounded as torch's x + delta
         }
         _mm512_mask_storeu_ps(xf.data() + i, m, v);
         ssv = _mm512_fmadd_ps(v, v, ssv);
