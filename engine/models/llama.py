@@ -271,7 +271,7 @@ class LlamaModel:
         eps, layers = cfg.rms_norm_eps, self.layers
         # x: the residual stream (T, H), owned here (add_rms_norm may update it in place); h: a norm of it
         x, h = add_rms_norm(self._embed(input_ids), None, layers[0].input_norm, eps)
-        native = self._native_step_inputs(n_tok, attn, lora, kv_caches)
+        native = self._native_step_inputs(n_tok, attn, kv_caches)
         if native is not None:  # one native call per layer (the ops below, in C++)
             cos2, sin2 = cos.reshape(n_tok, cfg.head_dim), sin.reshape(n_tok, cfg.head_dim)
             slots = None if lora is None else lora.meta.token_slots
@@ -331,13 +331,13 @@ class LlamaModel:
             lora.add(i, "down", act, down)
         return add_rms_norm(x, down, next_norm, eps)
 
-    def _native_step_inputs(self, n_tok: int, attn: AttentionInputs, lora: LoRAContext | None,
+    def _native_step_inputs(self, n_tok: int, attn: AttentionInputs,
                             kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...] | None:
         """layer_forward's step arguments (block tables int32, the decode rows' sequence ids, sequence lengths
         int32, the decode rows or None for all, the prefill chunks as (first row, end row, sequence) triples),
         or None where this step runs op by op: the native ops must take the caches' dtype, and steps with
-        prefill chunks need the native prefill attention and no adapter (their LoRA adds stay in torch's
-        batched products; an all-decode step's go native per layer, LoRAContext.native_layer_args)."""
+        prefill chunks need the native prefill attention. Adapters go native per layer wherever
+        LoRAContext.native_layer_args gives their operands (the layer runs op by op where it does not)."""
         plan = attn.plan
         if (self._native_layer is None or plan is None
                 or kv_caches[0][0].dtype not in NATIVE_CACHE_DTYPES.get(self.dtype, ())):
@@ -347,7 +347,7 @@ class LlamaModel:
         lens = (lens if lens.dtype == torch.int32 else lens.to(torch.int32)).contiguous()
         if plan.decode_seqs and len(plan.decode_seqs) == len(plan.seq_lens) == n_tok:
             return tables, plan.decode_ids, lens, None, []
-        if not self._native_prefill or lora is not None:
+        if not self._native_prefill:
             return None
         starts = plan.starts
         prefill = [v for i in range(len(plan.seq_lens)) if starts[i + 1] - starts[i] > 1
