@@ -25,8 +25,8 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
     add_rms_norm(residual, delta, weight, eps) -> out
         Semantics: residual += delta (in place, rounded to residual's dtype; skipped when delta is None),
         then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).
-        bf16 results (here and in every op) are rounded by the CPU's conversion instruction where it has
-        one (AVX512-BF16), as torch rounds them except that fp32 denormals (below 1.2e-38) become zeros.
+        Where the CPU has AVX512-BF16, the ops' vector bf16 stores (these among them) round by its
+        conversion instruction: as torch rounds, except that fp32 denormals (below 1.2e-38) become zeros.
     silu_mul(x) -> (rows, I)
         Semantics: F.silu(x[:, :I]) * x[:, I:] for x (rows, 2I), each op rounded to x's dtype.
     silu_linear(x, w, scales, n) -> (rows, n / 2)

@@ -2485,18 +2485,16 @@ inline void epilogue(const void* c, int64_t t0, int64_t t1, int nt, int64_t m0, 
     const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.f);
     for (int64_t t = t0; t < t1; ++t) {
       const char* tile = static_cast<const char*>(c) + ((t / 16) * 2 + j) * 1024;
-      {
-        const int64_t r = t % 16, row = m0 + t;
-        __m512 y;
-        if constexpr (I8) {
-          const __m512i acc = _mm512_load_si512(tile + r * 64);
-          const __m512i exact = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum[row]));
-          y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sv, _mm512_set1_ps(sx[row])), bv);
-        } else {
-          y = _mm512_fmadd_ps(_mm512_load_ps(reinterpret_cast<const float*>(tile + r * 64)), sv, bv);
-        }
-        _mm256_mask_storeu_epi16(out + row * os + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));  // round to nearest even
+      const int64_t r = t % 16, row = m0 + t;
+      __m512 y;
+      if constexpr (I8) {
+        const __m512i acc = _mm512_load_si512(tile + r * 64);
+        const __m512i exact = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum[row]));
+        y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sv, _mm512_set1_ps(sx[row])), bv);
+      } else {
+        y = _mm512_fmadd_ps(_mm512_load_ps(reinterpret_cast<const float*>(tile + r * 64)), sv, bv);
       }
+      _mm256_mask_storeu_epi16(out + row * os + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));  // round to nearest even
     }
   }
 }
@@ -2517,28 +2515,26 @@ inline void epilogue_silu(const void* c, int64_t t0, int64_t t1, int64_t m0, int
   for (int64_t t = t0; t < t1; ++t) {
     const char* tg = static_cast<const char*>(c) + (t / 16) * 2 * 1024;
     const char* tu = tg + 1024;
-    {
-      const int64_t r = t % 16, row = m0 + t;
-      __m512 g, u;
-      if constexpr (I8) {
-        const __m512i fix = _mm512_set1_epi32(128 * xsum[row]);
-        const __m512 rs = _mm512_set1_ps(sx[row]);
-        g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(tg + r * 64), fix)), _mm512_mul_ps(sg, rs));
-        u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(tu + r * 64), fix)), _mm512_mul_ps(su, rs));
-      } else {
-        g = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tg + r * 64)), sg);
-        u = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tu + r * 64)), su);
-      }
-      bf16* dst = o + row * os + q * 16;
-      g = rounded16(g, dst);
-      u = rounded16(u, dst);
-      if (delta != nullptr) {
-        const float* d = delta + row * 2 * os;
-        g = rounded16(_mm512_add_ps(g, _mm512_loadu_ps(d + q * 16)), dst);
-        u = rounded16(_mm512_add_ps(u, _mm512_loadu_ps(d + (q + half) * 16)), dst);
-      }
-      store16m(dst, _mm512_mul_ps(silu16(g, dst), u), static_cast<__mmask16>(0xFFFF));
+    const int64_t r = t % 16, row = m0 + t;
+    __m512 g, u;
+    if constexpr (I8) {
+      const __m512i fix = _mm512_set1_epi32(128 * xsum[row]);
+      const __m512 rs = _mm512_set1_ps(sx[row]);
+      g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(tg + r * 64), fix)), _mm512_mul_ps(sg, rs));
+      u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(tu + r * 64), fix)), _mm512_mul_ps(su, rs));
+    } else {
+      g = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tg + r * 64)), sg);
+      u = _mm512_mul_ps(_mm512_load_ps(reinterpret_cast<const float*>(tu + r * 64)), su);
     }
+    bf16* dst = o + row * os + q * 16;
+    g = rounded16(g, dst);
+    u = rounded16(u, dst);
+    if (delta != nullptr) {
+      const float* d = delta + row * 2 * os;
+      g = rounded16(_mm512_add_ps(g, _mm512_loadu_ps(d + q * 16)), dst);
+      u = rounded16(_mm512_add_ps(u, _mm512_loadu_ps(d + (q + half) * 16)), dst);
+    }
+    store16m(dst, _mm512_mul_ps(silu16(g, dst), u), static_cast<__mmask16>(0xFFFF));
   }
 }
 
@@ -2566,7 +2562,7 @@ void gemm(const char* x, int64_t xs_bytes, int64_t M, int64_t steps, int64_t pan
     const int nt = SILU ? 2 : static_cast<int>(std::min<int64_t>(2, panels - p));
     const char* w0 = weights(item, sc.buffer);
     // Row block b's epilogue runs in slices between block b + 1's tile steps, from the other C buffer: the
-    // vector units work through it while the tile unit computes (after the whole block, it waited for it).
+    // vector units work through it while the tile unit computes (run after block b, it kept the tile unit idle).
     auto finish = [&](int64_t m, int64_t t0, int64_t t1) {
       const void* c = sc.c[(m / 32) & 1];
       if constexpr (SILU) epilogue_silu<I8>(c, t0, t1, m, M, item, half, out, N / 2, scale, sx, xsum, delta);
