@@ -174,7 +174,7 @@ def test_the_native_layer_gives_the_op_by_op_hidden_states_bit_for_bit(make_mode
         pytest.skip(f"no native {dtype} panel kernel for {fields.get('quantization', 'dense')} weights here")
     llm = LLM(model_dir, num_kv_blocks=64, max_num_batched_tokens=48, **fields)
     prompts = random_prompts(600, [5, 40, 23, 17, 1, 9, 70, 3], seed=5)
-    kinds = _each_step_both_ways(llm, prompts)
+    kinds, _ = _each_step_both_ways(llm, prompts)
     assert set(kinds) == {"mixed", "prefill", "decode"}, kinds
 
 
@@ -191,26 +191,29 @@ def test_the_native_layer_runs_adapters_in_prefill_and_mixed_steps_bit_for_bit(m
         pytest.skip(f"no native {dtype} layer here")
     model_dir = make_model("llama", head_dim=64)
     base = load_hf_base(model_dir)
-    kinds = {"all": dict(r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS),
-             "qv": dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])}
+    adapter_kwargs = {"all": dict(r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS),
+                      "qv": dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])}
     llm = LLM(model_dir, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48, max_loras=3, max_lora_rank=16)
-    for i, (name, kw) in enumerate(kinds.items()):
+    for i, (name, kw) in enumerate(adapter_kwargs.items()):
         llm.load_adapter(name, make_peft_adapter(base, tmp_path / name, seed=i + 1, **kw).path)
     prompts = random_prompts(600, [5, 40, 23, 17, 1, 9, 70, 3], seed=7)
-    steps = _each_step_both_ways(llm, prompts, adapters=["all", "qv", None, "all", "qv", "all", None, "qv"])
-    assert set(steps) == {"mixed", "prefill", "decode"}, steps
+    kinds, most_slots = _each_step_both_ways(llm, prompts, adapters=["all", "qv", None, "all", "qv", "all", None, "qv"])
+    assert set(kinds) == {"mixed", "prefill", "decode"}, kinds
+    assert most_slots == 2  # both adapters in one step
 
 
 def _each_step_both_ways(llm: LLM, prompts: list[list[int]], adapters: list[str | None] | None = None
-                         ) -> collections.Counter[str]:
+                         ) -> tuple[collections.Counter[str], int]:
     """Greedy-generate `prompts`, running every step through the native layer and then op by op (which
     rewrites the same keys and values); asserts equal hidden states in every step and whole outputs. Returns
-    the kinds of steps seen, "... op by op" where the native layer did not run."""
+    the kinds of steps seen ("... op by op" where the native layer did not run) and the most adapter slots
+    one step used."""
     model = llm.engine.runner.model
     native, forward = model._native_layer, model.forward
     assert native is not None and model._native_prefill
     kinds: collections.Counter[str] = collections.Counter()
     unequal: list[str] = []
+    slots = [0]
 
     def both_ways(input_ids, positions, kv_caches, attn, lora=None):
         calls = []
@@ -229,6 +232,7 @@ def _each_step_both_ways(llm: LLM, prompts: list[list[int]], adapters: list[str 
         decodes = len(attn.plan.decode_seqs)
         kind = "mixed" if chunks and decodes else "prefill" if chunks else "decode"
         kinds[kind + ("" if calls else " op by op")] += 1
+        slots.append(0 if lora is None else len(lora.meta.active_slots))
         if not torch.equal(fused, plain):  # noted, not raised: the engine would fail the step's requests
             unequal.append(kind)
         return fused
@@ -238,4 +242,4 @@ def _each_step_both_ways(llm: LLM, prompts: list[list[int]], adapters: list[str 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
     assert not unequal, f"steps whose hidden states differ: {unequal}"
     assert all(o.error is None and len(o.outputs[0].token_ids) == 14 for o in outs), [o.error for o in outs]
-    return kinds
+    return kinds, max(slots)
