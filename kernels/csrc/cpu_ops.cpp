@@ -1325,33 +1325,30 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
           __m512 psum = _mm512_setzero_ps();
           __m512 pr[KB / 16];
           float m_new;
-          if (j0 + KB - 1 <= pos && j0 >= lo) {
-            // every key of the block visible (all but the diagonal and window-edge blocks): no masks, and
-            // exp16's upper clamp left out (s - max <= 0), which gives the masked path's values bit for bit
-            for (int v = 0; v < KB / 16; ++v) {
-              s_row[v] = _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v), _mm512_set1_ps(scale));
-              mx = _mm512_max_ps(mx, s_row[v]);
-            }
-            m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));
-            for (int v = 0; v < KB / 16; ++v) {
-              pr[v] = exp16_nonpositive(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new)));
-              psum = _mm512_add_ps(psum, pr[v]);
-            }
-          } else {
+          // Masked: a block on the diagonal or the window's edge. A block the row sees whole needs no masks,
+          // and exp16's upper clamp never applies (s - max <= 0): the same values, bit for bit, for less work.
+          auto row_softmax = [&](auto masked) {
+            constexpr bool kMasked = decltype(masked)::value;
             __mmask16 valid[KB / 16];
             for (int v = 0; v < KB / 16; ++v) {
-              valid[v] = _mm512_cmple_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(pos)));
-              valid[v] &= _mm512_cmpge_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(lo)));
-              s_row[v] = _mm512_mask_blend_ps(valid[v], neg_inf, _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v),
-                                                                                _mm512_set1_ps(scale)));
+              s_row[v] = _mm512_mul_ps(_mm512_load_ps(s[u] + 16 * v), _mm512_set1_ps(scale));
+              if constexpr (kMasked) {
+                valid[v] = _mm512_cmple_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(pos)));
+                valid[v] &= _mm512_cmpge_epi32_mask(keys[v], _mm512_set1_epi32(static_cast<int32_t>(lo)));
+                s_row[v] = _mm512_mask_blend_ps(valid[v], neg_inf, s_row[v]);
+              }
               mx = _mm512_max_ps(mx, s_row[v]);
             }
             m_new = std::max(m[g][r], _mm512_reduce_max_ps(mx));  // finite: the row sees a key
             for (int v = 0; v < KB / 16; ++v) {
-              pr[v] = _mm512_maskz_mov_ps(valid[v], exp16(_mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new))));
+              const __m512 x = _mm512_sub_ps(s_row[v], _mm512_set1_ps(m_new));
+              if constexpr (kMasked) pr[v] = _mm512_maskz_mov_ps(valid[v], exp16(x));
+              else pr[v] = exp16_nonpositive(x);
               psum = _mm512_add_ps(psum, pr[v]);
             }
-          }
+          };
+          if (j0 + KB - 1 <= pos && j0 >= lo) row_softmax(std::false_type{});
+          else row_softmax(std::true_type{});
           for (int v = 0; v < KB / 16; v += 2)  // keys 16 v .. 16 v + 31 in order, as bf16
             _mm512_store_si512(p[u] + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(pr[v + 1], pr[v]));
           m_old[u] = m[g][r];
