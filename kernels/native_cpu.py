@@ -20,8 +20,10 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
     prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
         Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
         keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),
-        as decode_attention. AVX-512 builds only, head_dim 64 or 128 (has_prefill_attention); bf16 q over
-        bf16 caches runs its two products on AMX tiles where the CPU has them (P rounded to bf16).
+        as decode_attention. AVX-512 or AVX2 builds, head_dim 64 or 128 (has_prefill_attention); bf16 q over
+        bf16 caches runs its two products on AMX tiles where the CPU has them (P rounded to bf16). AVX2
+        builds compute in fp32 throughout: bf16 q over an int8 cache runs as float32 q over rows widened to
+        float32 (the reference's values), rounded to bf16 at the end.
     add_rms_norm(residual, delta, weight, eps) -> out
         Semantics: residual += delta (in place, rounded to residual's dtype; skipped when delta is None),
         then out = weight * (residual.float() * rsqrt(mean(residual.float()^2) + eps)).to(dtype).

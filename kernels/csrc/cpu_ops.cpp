@@ -6,7 +6,7 @@
 //   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 32 queries x
 //                      64 keys (16 at head_dim 128), online softmax, keys transposed once per block
 //                      (bf16: as k pairs for bf16 dot products, or AMX tile products where the CPU has
-//                      them; AVX-512 only)
+//                      them); without AVX-512, blocks of 16 keys in AVX2 FMAs (prefill_item_avx2)
 //   add_rms_norm       residual += delta (optional), then out = weight * rmsnorm(residual), one pass
 //   silu_mul           silu(x[:, :I]) * x[:, I:] of a fused gate/up projection
 //   silu_linear        silu_mul of a fused gate/up projection's product, computed in the AMX tiles'
@@ -23,7 +23,8 @@
 //                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
 //                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call (a thread
-//                      fetches the next slot's factors while it computes on one: LoraSlot, lora_tokens)
+//                      fetches the next slot's factors while it computes on one: LoraSlot, lora_tokens);
+//                      AVX2 builds run float32 by the same tiles, bf16 token by token
 //   f32_linear         its float32 twin: 16-column panels of single k, AVX-512 or AVX2 FMA (has_f32_linear)
 //   layer_forward      one decoder layer of a step (LoRA adds included), the ops above in order: decode rows
 //                      by decode_attention, prefill chunks by prefill_attention; gate/up's deltas (lora_delta)
@@ -173,6 +174,45 @@ inline float fast_exp(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 lanes of float or bf16 (widened exactly), and horizontal reductions of 8 lanes
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f32(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// fast_exp on 8 lanes: the same clamp, split and polynomial, 2^n put into the exponent bits
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5353362e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180573e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503393e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 constexpr int kMaxHeadDim = 512;
 constexpr int kMaxGroup = 16;
@@ -925,13 +965,19 @@ struct Tiles {
 }  // namespace amx
 
 // ---- prefill_attention ------------------------------------------------------------------------------------
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LORAPLEX_PREFILL_AVX2 1  // prefill_item_avx2: 8-lane FMAs where the CPU has no AVX-512
+#endif
+
 bool has_prefill_attention() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LORAPLEX_PREFILL_AVX2)
   return true;
 #else
   return false;
 #endif
 }
+
+constexpr int kPrefillRows = 32;  // queries per work item
 
 #if defined(__AVX512F__)
 // exp of x in [-87, 88] for 16 floats: 2^n * p(f) as in fast_exp, scaled by vscalefps.
@@ -956,8 +1002,6 @@ inline __m512 exp16(__m512 x) {
 
 // exp16 for x <= 0 (softmax numerators): the upper clamp never applies there, so the value is exp16's bit for bit
 inline __m512 exp16_nonpositive(__m512 x) { return exp16_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.f))); }
-
-constexpr int kPrefillRows = 32;  // queries per work item
 
 // out[i] = column i of the 16 x 16 32-bit words in r (unpack 32, unpack 64, then two 128-bit lane shuffles)
 inline void transpose16_epi32(const __m512i r[16], __m512i out[16]) {
@@ -1405,6 +1449,164 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
 }
 #endif
 
+#endif  // __AVX512F__
+
+#if defined(LORAPLEX_PREFILL_AVX2)
+// out[i] = column i of the 8 x 8 floats in r
+inline void transpose8(const __m256 r[8], __m256 out[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4 i + c], each 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    out[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    out[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// prefill_item's AVX2 twin (8 lanes, 16 ymm registers) with the arithmetic of its fp32 path: q pre-scaled,
+// each block of 16 keys widened and transposed once for all the item's rows, then 4 rows at a time their
+// scores (4 x 2 independent chains), their online softmax, and P @ V for the 4 rows together (4 rows x 16
+// dims a pass). float32 values are read in place, bf16 ones widened once per block.
+template <typename Q, typename KV, int D>
+void prefill_item_avx2(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, const KV* k_base, const KV* v_base,
+                       int64_t block_stride, int64_t slot_stride, const int32_t* table, int64_t block_size,
+                       int64_t start, int64_t i0, int64_t i1, int64_t h, int64_t G, float scale, int64_t window) {
+  constexpr int KB = 16;  // keys per block: two ymm of scores per row
+  const int64_t rows = i1 - i0;
+  alignas(32) float qf[kMaxGroup][kPrefillRows][D];
+  alignas(32) float acc[kMaxGroup][kPrefillRows][D];
+  float m[kMaxGroup][kPrefillRows], l[kMaxGroup][kPrefillRows];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < kPrefillRows; ++r) {  // rows past the item's are computed in the last 4-row tile, never stored
+      const Q* src = qp + (i0 + r) * qs0 + (h * G + g) * qs1;
+      for (int d = 0; d < D; ++d) {
+        qf[g][r][d] = r < rows ? to_f(src[d]) * scale : 0.f;
+        acc[g][r][d] = 0.f;
+      }
+      m[g][r] = -std::numeric_limits<float>::infinity();
+      l[g][r] = 0.f;
+    }
+  const int64_t last = start + i1 - 1;  // the item's last query position: keys up to it
+  const int64_t first_lo = window > 0 ? std::max<int64_t>(0, start + i0 - window + 1) : 0;
+  alignas(32) float kt[D][KB];  // kt[d][j]: key j's dim d
+  alignas(32) float vf[std::is_same_v<KV, float> ? 1 : KB][D];  // bf16 values widened once
+  const float* vrow[KB];
+  const KV* krow[KB];
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
+    const int64_t nk = std::min<int64_t>(KB, last + 1 - j0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = j0 + j;
+      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+      krow[j] = k_base + slot;
+      if constexpr (std::is_same_v<KV, float>) {
+        vrow[j] = v_base + slot;
+      } else {
+        for (int d = 0; d < D; d += 8) _mm256_store_ps(vf[j] + d, load8_f32(v_base + slot + d));
+        vrow[j] = vf[j];
+      }
+    }
+    for (int v = 0; v < KB / 8; ++v)
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        __m256 in[8], tr[8];
+        for (int j = 0; j < 8; ++j) in[j] = 8 * v + j < nk ? load8_f32(krow[8 * v + j] + d0) : _mm256_setzero_ps();
+        transpose8(in, tr);
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d0 + i] + 8 * v, tr[i]);
+      }
+    const __m256i keys0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j0)), lane);
+    const __m256i keys[2] = {keys0, _mm256_add_epi32(keys0, _mm256_set1_epi32(8))};
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      if (j0 > start + i0 + r0 + nr - 1) continue;  // every key of the block is in these rows' future
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 sc[4][2];
+        for (int u = 0; u < 4; ++u) sc[u][0] = sc[u][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int d = 0; d < D; ++d) {
+          const __m256 k0 = _mm256_load_ps(kt[d]), k1 = _mm256_load_ps(kt[d] + 8);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) {
+            const __m256 qd = _mm256_broadcast_ss(&qf[g][r0 + u][d]);
+            sc[u][0] = _mm256_fmadd_ps(qd, k0, sc[u][0]);
+            sc[u][1] = _mm256_fmadd_ps(qd, k1, sc[u][1]);
+          }
+        }
+        // each row's softmax bookkeeping; a row that sees no key of the block keeps acc as it is (p = 0)
+        alignas(32) float pj[4][KB];
+        float corr[4];
+        int64_t seen = 0;  // keys [0, seen) of the block are visible to some row of the tile
+        for (int u = 0; u < 4; ++u) {
+          const int64_t r = r0 + u, pos = start + i0 + r;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          corr[u] = 1.f;
+          if (u >= nr || j0 > pos || j0 + KB <= lo) {
+            _mm256_store_ps(pj[u], _mm256_setzero_ps());
+            _mm256_store_ps(pj[u] + 8, _mm256_setzero_ps());
+            continue;
+          }
+          seen = std::max(seen, std::min(nk, pos + 1 - j0));
+          const __m256i after = _mm256_set1_epi32(static_cast<int32_t>(pos));
+          const __m256i before = _mm256_set1_epi32(static_cast<int32_t>(lo - 1));
+          __m256 valid[2], s_row[2];
+          for (int v = 0; v < 2; ++v) {  // lo <= key <= pos
+            valid[v] = _mm256_castsi256_ps(
+                _mm256_andnot_si256(_mm256_cmpgt_epi32(keys[v], after), _mm256_cmpgt_epi32(keys[v], before)));
+            s_row[v] = _mm256_blendv_ps(neg_inf, sc[u][v], valid[v]);
+          }
+          const float m_new = std::max(m[g][r], hmax8(_mm256_max_ps(s_row[0], s_row[1])));
+          corr[u] = std::exp(m[g][r] - m_new);  // 0 on the row's first block (m = -inf)
+          const __m256 mv = _mm256_set1_ps(m_new);
+          const __m256 p0 = _mm256_and_ps(valid[0], exp8(_mm256_sub_ps(s_row[0], mv)));
+          const __m256 p1 = _mm256_and_ps(valid[1], exp8(_mm256_sub_ps(s_row[1], mv)));
+          _mm256_store_ps(pj[u], p0);
+          _mm256_store_ps(pj[u] + 8, p1);
+          l[g][r] = l[g][r] * corr[u] + hsum8(_mm256_add_ps(p0, p1));
+          m[g][r] = m_new;
+        }
+        // P @ V for the 4 rows together, 16 dims at a time
+        for (int c0 = 0; c0 < D; c0 += 16) {
+          __m256 a[4][2];
+          for (int u = 0; u < 4; ++u) {
+            const __m256 cv = _mm256_set1_ps(corr[u]);
+            a[u][0] = _mm256_mul_ps(_mm256_load_ps(acc[g][r0 + u] + c0), cv);
+            a[u][1] = _mm256_mul_ps(_mm256_load_ps(acc[g][r0 + u] + c0 + 8), cv);
+          }
+          for (int64_t j = 0; j < seen; ++j) {
+            const __m256 v0 = _mm256_loadu_ps(vrow[j] + c0), v1 = _mm256_loadu_ps(vrow[j] + c0 + 8);
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+              const __m256 pv = _mm256_broadcast_ss(&pj[u][j]);
+              a[u][0] = _mm256_fmadd_ps(pv, v0, a[u][0]);
+              a[u][1] = _mm256_fmadd_ps(pv, v1, a[u][1]);
+            }
+          }
+          for (int u = 0; u < 4; ++u) {
+            _mm256_store_ps(acc[g][r0 + u] + c0, a[u][0]);
+            _mm256_store_ps(acc[g][r0 + u] + c0 + 8, a[u][1]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = l[g][r] > 0.f ? 1.f / l[g][r] : 0.f;
+      Q* dst = op + (i0 + r) * Hq * D + (h * G + g) * D;
+      for (int d = 0; d < D; ++d) from_f(acc[g][r][d] * inv, dst + d);
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(LORAPLEX_PREFILL_AVX2)
 template <typename Q, typename KV>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& table, int64_t seq_len, double scale, int64_t window, at::Tensor& out) {
@@ -1437,6 +1639,15 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
     }
 #endif
+#if defined(LORAPLEX_PREFILL_AVX2)
+    if (D == 64) {
+      prefill_item_avx2<Q, KV, 64>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp,
+                                   k_cache.size(1), start, i0, i1, h, G, sc, window);
+    } else {
+      prefill_item_avx2<Q, KV, 128>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp,
+                                    k_cache.size(1), start, i0, i1, h, G, sc, window);
+    }
+#else
     if (D == 64) {
       prefill_item<Q, KV, 4>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
                              start, i0, i1, h, G, sc, window);
@@ -1444,6 +1655,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       prefill_item<Q, KV, 8>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp, k_cache.size(1),
                              start, i0, i1, h, G, sc, window);
     }
+#endif
   });
 }
 #endif
@@ -1506,6 +1718,12 @@ at::Tensor prefill_attention_finer(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(kv_head_dim(k_cache) == D && v_cache.sizes() == k_cache.sizes() && table.numel() >= nb && q.stride(1) == D,
               "prefill_attention: the caches do not hold q's head_dim, or the table does not cover seq_len");
   const auto qt = q.scalar_type();
+#if defined(LORAPLEX_PREFILL_AVX2)
+  // no bf16 arithmetic here: bf16 q over int8 rows runs the float32 kernel over rows widened to float32 (the
+  // reference's values, where bf16 rows would round them again), its output rounded to bf16 once
+  if (qt == at::kBFloat16 && k_cache.scalar_type() == at::kChar)
+    return prefill_attention_finer(q.to(at::kFloat), k_cache, v_cache, table, seq_len, scale, window).to(qt);
+#endif
   at::Tensor k, v, qr = q;
   if (qt == at::kFloat) {
     k = widened_blocks<float>(k_cache, table, nb, D, qt);
@@ -1546,7 +1764,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                   table.numel() * k_cache.size(1) >= seq_len,
               "prefill_attention: the block table (int32) must cover seq_len");
   at::Tensor out = at::empty({n, Hq, D}, q.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LORAPLEX_PREFILL_AVX2)
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kt, "prefill_attention: k and v caches differ in dtype");
   if (qt == at::kFloat && kt == at::kFloat) {
@@ -1558,7 +1776,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   return out;
 #else
-  (void)n; TORCH_CHECK(false, "prefill_attention: this build has no AVX-512 (see has_prefill_attention)");
+  (void)n; TORCH_CHECK(false, "prefill_attention: this build has neither AVX-512 nor AVX2 (see has_prefill_attention)");
 #endif
 }
 
@@ -2052,6 +2270,78 @@ void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const
 }
 #endif
 
+// tiles per step of the shrink (rows of A, k) and the expand (columns), for counting prefetch steps
+constexpr int kShrinkRows = 4, kShrinkK = 16, kExpandCols = 64;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LORAPLEX_LORA_AVX2 1  // lora_add by tiles of one slot's tokens for float32; bf16 per token
+// The AVX2 twins of the float tiles (16 ymm registers): the shrink takes 2 rows of A a pass (2 M partial sums,
+// 8 lanes), the expand 16 columns (2 M accumulators); row and column tails load and store masked.
+constexpr int kShrinkRows = 2, kShrinkK = 8, kExpandCols = 16;
+
+inline __m256i first_lanes8(int64_t k) {  // a maskload/maskstore mask of lanes [0, min(k, 8))
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(k, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <typename T, int M>
+void lora_shrink_tile(const float* const* xr, const float* a, int64_t r, int64_t h_in, float scale, float* out,
+                      int64_t out_stride, Prefetcher& pf) {
+  static_assert(std::is_same_v<T, float>, "AVX2 LoRA tiles: float32 only");
+  for (int64_t j0 = 0; j0 < r; j0 += 2) {
+    const float* ar[2] = {a + j0 * h_in, a + std::min<int64_t>(j0 + 1, r - 1) * h_in};  // past r: ignored
+    __m256 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < h_in; k += 8) {
+      const bool whole = k + 8 <= h_in;
+      const __m256i lanes = whole ? _mm256_set1_epi32(-1) : first_lanes8(h_in - k);
+      const __m256 a0 = whole ? _mm256_loadu_ps(ar[0] + k) : _mm256_maskload_ps(ar[0] + k, lanes);
+      const __m256 a1 = whole ? _mm256_loadu_ps(ar[1] + k) : _mm256_maskload_ps(ar[1] + k, lanes);
+      pf.step();
+      for (int m = 0; m < M; ++m) {
+        const __m256 xv = whole ? _mm256_loadu_ps(xr[m] + k) : _mm256_maskload_ps(xr[m] + k, lanes);
+        acc[m][0] = _mm256_fmadd_ps(xv, a0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xv, a1, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int jj = 0; jj < 2 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = scale * hsum8(acc[m][jj]);
+  }
+}
+
+template <typename T, int M, typename Y = T>
+void lora_expand_tile(Y* const* yr, const float* u, int64_t u_stride, const float* bt, int64_t bt_stride, int64_t r,
+                      int64_t n, Prefetcher& pf) {
+  static_assert(std::is_same_v<T, float> && std::is_same_v<Y, float>, "AVX2 LoRA tiles: float32 only");
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const __m256i lanes[2] = {first_lanes8(n - c0), first_lanes8(n - c0 - 8)};
+    const bool whole = c0 + 16 <= n;
+    __m256 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) {
+      const float* b = bt + j * bt_stride + c0;
+      pf.step();
+      const __m256 b0 = whole ? _mm256_loadu_ps(b) : _mm256_maskload_ps(b, lanes[0]);
+      const __m256 b1 = whole ? _mm256_loadu_ps(b + 8) : _mm256_maskload_ps(b + 8, lanes[1]);
+      for (int m = 0; m < M; ++m) {
+        const __m256 um = _mm256_broadcast_ss(u + m * u_stride + j);
+        acc[m][0] = _mm256_fmadd_ps(um, b0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(um, b1, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) {
+        float* yc = yr[m] + c0 + 8 * h;
+        if (whole) {
+          _mm256_storeu_ps(yc, _mm256_add_ps(_mm256_loadu_ps(yc), acc[m][h]));
+        } else if (c0 + 8 * h < n) {
+          _mm256_maskstore_ps(yc, lanes[h], _mm256_add_ps(_mm256_maskload_ps(yc, lanes[h]), acc[m][h]));
+        }
+      }
+  }
+}
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(LORAPLEX_LORA_AVX2)
 // A slot's LoRA factors as lora_tokens reads them: per slice its rank's rows of A, and the first max-rank rows
 // of b_t (all slices' columns).
 constexpr int kMaxLoraSlices = 8;  // more slices in one add: no fetching ahead
@@ -2093,16 +2383,17 @@ void lora_tokens(const T* const* xr, Y* const* yr, int64_t s, const T* ap, const
                  const float* sp, int64_t num_slices, int64_t R, int64_t h_in, int64_t n_out, const int64_t* offsets,
                  const int64_t* sizes, float* u, const LoraSlot* next) {
   constexpr bool kBf16 = std::is_same_v<T, bf16>;
-  const int64_t us = num_slices * R, k_step = kBf16 ? 32 : 16;
+  const int64_t us = num_slices * R, k_step = kBf16 ? 32 : kShrinkK;
   int64_t expand_steps = 0;
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
-    if (r > 0) expand_steps += (sizes[i] + 63) / 64 * (kBf16 ? (r + 1) / 2 : r);
+    if (r > 0) expand_steps += (sizes[i] + kExpandCols - 1) / kExpandCols * (kBf16 ? (r + 1) / 2 : r);
   }
   Prefetcher pb = next ? Prefetcher(next->b, next->b_bytes, expand_steps) : Prefetcher();
   for (int64_t i = 0; i < num_slices; ++i) {
     const int64_t r = rp[s * num_slices + i];
-    Prefetcher pa = next ? Prefetcher(next->a[i], next->a_bytes[i], std::max<int64_t>(1, (r + 3) / 4 * ((h_in + k_step - 1) / k_step)))
+    Prefetcher pa = next ? Prefetcher(next->a[i], next->a_bytes[i],
+                                          std::max<int64_t>(1, (r + kShrinkRows - 1) / kShrinkRows * ((h_in + k_step - 1) / k_step)))
                          : Prefetcher();
     if (r <= 0) {
       pa.all();
@@ -2136,7 +2427,7 @@ void lora_tokens(const T* const* xr, Y* const* yr, int64_t s, const T* ap, const
 // lora_add with the tokens grouped by slot (in their order within a slot) into tiles of up to 4, so each
 // tile reads its slot's A and B once; tiles are the parallel items.
 template <typename T, typename Y = T>
-void lora_add_avx512(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
+void lora_add_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& b_t,
                      const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
                      const std::vector<int64_t>& sizes) {
   const int64_t n_tok = x.size(0), h_in = x.size(1), n_out = y.size(1), S = lora_a.size(0);
@@ -2235,7 +2526,12 @@ void lora_add_dispatch(at::Tensor& y, const at::Tensor& x, const at::Tensor& lor
                        const at::Tensor& ranks, const at::Tensor& scaling, const at::Tensor& token_slots,
                        const std::vector<int64_t>& slice_sizes) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  lora_add_avx512<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  lora_add_tiles<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+#elif defined(LORAPLEX_LORA_AVX2)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Y, float>)
+    lora_add_tiles<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
+  else
+    lora_add_impl<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
 #else
   lora_add_impl<T, Y>(y, x, lora_a, b_t, ranks, scaling, token_slots, slice_sizes);
 #endif
@@ -2879,18 +3175,6 @@ void w8a8_rows(int64_t m0, int64_t m1, int nr, const RowsI8& r, int64_t K, const
 #endif
 
 #if defined(LORAPLEX_W8A8_AVX2)
-inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_f32(const bf16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
-
 // Each row of x as qx = rne(x * (127 / max |x[t]|)), the reference's operations (kernels.quant.round_rows_int8).
 template <class T>
 void round_rows_i8_avx2(const T* x, int64_t xs, int64_t M, int64_t K, RowsI8& r) {

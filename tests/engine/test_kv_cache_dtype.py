@@ -6,7 +6,11 @@ the tiny random models (16 prompts x 64 greedy tokens of the finer-cache engine,
 reference; four families, both dtypes): the reference picks the same token at 1003-1024 of 1024 positions,
 and prefill logits differ by at most 0.049 (int8) and 0.014 (bf16 under fp32). Free-running greedy of these
 near-flat random models parts at the first near-tie (573-1024 of 1024), so the decode path's choices are
-checked position by position instead.
+checked position by position instead: each chosen token is within GAP_TOL of the reference's best logit
+there (a near-tie at most), and most are its argmax. On a CPU without native bf16 (AVX2: torch emulates bf16
+GEMMs, with other sums at decode than at prefill) bf16 compute agrees less, even with itself: the reference
+replaying its own greedy tokens picks them at 1007 of 1024 positions, the int8 cache at 985-1012, and every
+disagreement measured there was a near-tie (gap <= 0.031, one bf16 logit step).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tests.engine.lora_peft import random_prompts
 from tests.engine.mixed_workload import check_prefix_cache_grammar_and_preemption
 
 LOGIT_TOL = 0.1
+GAP_TOL = 0.05  # how far below the reference's best logit a decoded token's may be
 CASES = [("float32", "int8"), ("bfloat16", "int8"), ("float32", "bfloat16")]  # (compute dtype, cache dtype)
 
 
@@ -39,10 +44,14 @@ def test_a_finer_cache_decodes_what_the_reference_would(make_model, family, over
     for prompt, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
         want = reference.engine.runner.prefill_logits(prompt + tokens)
-        same += int((want[len(prompt) - 1 : -1].argmax(-1) == torch.tensor(tokens)).sum())
+        chosen = want[len(prompt) - 1 : -1].float()  # (64, vocab): the reference's logits where each was chosen
+        picked = torch.tensor(tokens)
+        same += int((chosen.argmax(-1) == picked).sum())
+        gap = chosen.max(-1).values - chosen.gather(1, picked[:, None])[:, 0]
+        assert gap.max().item() <= GAP_TOL, (family, dtype, kv, gap.max().item())
         got = llm.engine.runner.prefill_logits(prompt + tokens)
         assert (got - want).abs().max().item() <= LOGIT_TOL, (family, dtype, kv)
-    assert same >= 0.97 * 16 * 64, (family, dtype, kv, same)
+    assert same >= 0.95 * 16 * 64, (family, dtype, kv, same)
 
 
 @pytest.mark.parametrize(("dtype", "kv"), [("float32", "int8"), ("bfloat16", "int8"), ("float32", "bfloat16")])

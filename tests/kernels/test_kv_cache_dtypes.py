@@ -63,7 +63,12 @@ def _probs(cache_dtype):
 def _tolerance(q_dtype, cache_dtype):
     if q_dtype == torch.bfloat16:
         return 2e-2  # the output's own rounding (and bf16 q rounded again)
-    return 2e-4 if cache_dtype == torch.int8 else 1e-5  # int8: 16-bit probabilities
+    if cache_dtype == torch.bfloat16:
+        # probabilities rounded to bf16: one that sits within fp32 noise of a rounding boundary may round the
+        # other way than the float64 reference's, moving its row by p * 2^-8 * |v| (4.6e-5 measured on the
+        # portable kernel, a 600-key row)
+        return 1e-4
+    return 2e-4  # int8: 16-bit probabilities
 
 
 @pytest.mark.parametrize(("q_dtype", "cache_dtype"), CASES)
