@@ -175,6 +175,10 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LORAPLEX_AVX2_ATTENTION 1  // decode_one_avx2, prefill_item_avx2: 8-lane FMAs where the CPU has no AVX-512
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // 8 lanes of float or bf16 (widened exactly), and horizontal reductions of 8 lanes
 inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
@@ -211,6 +215,25 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// out[i] = column i of the 8 x 8 floats in r
+inline void transpose8(const __m256 r[8], __m256 out[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4 i + c], each 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    out[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    out[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
 }
 #endif
 
@@ -344,6 +367,157 @@ void decode_one(const float* __restrict q,  // (G, D), scaled
     for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
   }
 }
+
+#if defined(LORAPLEX_AVX2_ATTENTION)
+// Scores of GN query heads (q + g * D, pre-scaled) against the 16 keys of kt (kt[d][j]: key j's dim d):
+// 2 GN independent chains of 8 lanes, into s[g * ss ...] (16 each).
+template <int GN>
+inline void scores16(const float* q, int64_t D, const float (*kt)[16], float* s, int64_t ss) {
+  __m256 acc[GN][2];
+  for (int u = 0; u < GN; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_load_ps(kt[d]), k1 = _mm256_load_ps(kt[d] + 8);
+#pragma GCC unroll 4
+    for (int u = 0; u < GN; ++u) {
+      const __m256 qd = _mm256_broadcast_ss(q + u * D + d);
+      acc[u][0] = _mm256_fmadd_ps(qd, k0, acc[u][0]);
+      acc[u][1] = _mm256_fmadd_ps(qd, k1, acc[u][1]);
+    }
+  }
+  for (int u = 0; u < GN; ++u) {
+    _mm256_storeu_ps(s + u * ss, acc[u][0]);
+    _mm256_storeu_ps(s + u * ss + 8, acc[u][1]);
+  }
+}
+
+// acc[g][c0, c0 + 16) += sum_{j < nk} p[g][j] v_j[c0, c0 + 16) for GN heads (p rows n apart), values at
+// v_base + offs[j]: 2 GN chains of 8 lanes, each value slice loaded once for the GN heads.
+template <int GN, typename KV>
+inline void values16(const float* p, int64_t n, int64_t nk, const KV* v_base, const int64_t* offs, int64_t c0,
+                     int64_t D, float* acc) {
+  __m256 a[GN][2];
+  for (int u = 0; u < GN; ++u) {
+    a[u][0] = _mm256_loadu_ps(acc + u * D + c0);
+    a[u][1] = _mm256_loadu_ps(acc + u * D + c0 + 8);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const KV* v = v_base + offs[j] + c0;
+    const __m256 v0 = load8_f32(v), v1 = load8_f32(v + 8);
+#pragma GCC unroll 4
+    for (int u = 0; u < GN; ++u) {
+      const __m256 pu = _mm256_broadcast_ss(p + u * n + j);
+      a[u][0] = _mm256_fmadd_ps(pu, v0, a[u][0]);
+      a[u][1] = _mm256_fmadd_ps(pu, v1, a[u][1]);
+    }
+  }
+  for (int u = 0; u < GN; ++u) {
+    _mm256_storeu_ps(acc + u * D + c0, a[u][0]);
+    _mm256_storeu_ps(acc + u * D + c0 + 8, a[u][1]);
+  }
+}
+
+// The rows of keys or values [j0, j0 + 16) (or fewer, to n) into L2, while the block before them is computed.
+template <typename KV>
+inline void fetch_rows(const KV* base, const int64_t* offs, int64_t j0, int64_t n, int64_t D) {
+  for (int64_t j = j0; j < std::min<int64_t>(n, j0 + 16); ++j)
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(base + offs[j]) + b, 0, 2);
+}
+
+// decode_one's AVX2 twin for float32 and bf16 rows, D a multiple of 16: keys in blocks of 16, widened and
+// transposed once for the G heads, which score them 4 at a time in register chains (decode_one sums each
+// head's dot product with a horizontal add per key); then the same softmax; then P @ V block by block, 16
+// dims x 4 heads at a time in registers (decode_one adds every key's row into acc in memory). Each block's
+// rows are fetched while the block before them is computed: the rows of a sequence lie in blocks scattered
+// over the cache, and a pass that reads one slice of every row waits on memory for each (measured). offs: n
+// scratch offsets.
+template <typename KV>
+void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, const KV* __restrict v_base,
+                     int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
+                     int64_t lo, int64_t len, int64_t G, int64_t D, float* __restrict scores, int64_t* offs,
+                     float* __restrict acc) {
+  const int64_t n = len - lo;
+  for (int64_t j = lo, blk = lo / block_size, slot = lo % block_size; j < len; ++j) {  // no division per key
+    offs[j - lo] = table[blk] * block_stride + slot * slot_stride;
+    if (++slot == block_size) {
+      slot = 0;
+      ++blk;
+    }
+  }
+  alignas(32) float kt[kMaxHeadDim][16];
+  alignas(32) float tail[kMaxGroup][16];  // a last block's scores (past n: not stored)
+  fetch_rows(k_base, offs, 0, n, D);
+  fetch_rows(k_base, offs, 16, n, D);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - j0);
+    fetch_rows(k_base, offs, j0 + 32, n, D);
+    fetch_rows(v_base, offs, j0, n, D);  // the values' turn comes after the last block: into L2 meanwhile
+    for (int v = 0; v < 2; ++v)
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        __m256 in[8], tr[8];
+        for (int j = 0; j < 8; ++j)
+          in[j] = 8 * v + j < nk ? load8_f32(k_base + offs[j0 + 8 * v + j] + d0) : _mm256_setzero_ps();
+        transpose8(in, tr);
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d0 + i] + 8 * v, tr[i]);
+      }
+    float* s = nk == 16 ? scores + j0 : &tail[0][0];
+    const int64_t ss = nk == 16 ? n : 16;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 4: scores16<4>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
+        case 3: scores16<3>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
+        case 2: scores16<2>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
+        default: scores16<1>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
+      }
+    }
+    if (nk < 16)
+      for (int64_t g = 0; g < G; ++g) std::memcpy(scores + g * n + j0, tail[g], static_cast<size_t>(nk) * sizeof(float));
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {  // softmax_numerators' arithmetic, 8 lanes at a time
+    float* sg = scores + g * n;
+    const int64_t n8 = n / 8 * 8;
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + i));
+    float m = hmax8(mv);
+    for (int64_t i = n8; i < n; ++i) m = std::max(m, sg[i]);
+    mv = _mm256_set1_ps(m);
+    __m256 tv = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
+      _mm256_storeu_ps(sg + i, e);
+      tv = _mm256_add_ps(tv, e);
+    }
+    float t = hsum8(tv);
+    for (int64_t i = n8; i < n; ++i) {
+      sg[i] = fast_exp(sg[i] - m);
+      t += sg[i];
+    }
+    inv_sum[g] = 1.f / t;
+  }
+  if constexpr (std::is_same_v<KV, bf16>) round_probs_bf16(scores, G, n, inv_sum);
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - j0);
+    for (int64_t g0 = 0; g0 < G; g0 += 4)
+      for (int64_t c0 = 0; c0 < D; c0 += 16) {
+        const float* p = scores + g0 * n + j0;
+        float* a = acc + g0 * D;
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 4: values16<4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 3: values16<3>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 2: values16<2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          default: values16<1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+        }
+      }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 iv = _mm256_set1_ps(inv_sum[g]);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + g * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + d), iv));
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -870,7 +1044,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(bf16(qf[g * D + d]));
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= sc;
       }
-      decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
+      bool done = false;
+#if defined(LORAPLEX_AVX2_ATTENTION)
+      if constexpr (!std::is_same_v<KV, int8_t>) {
+        if (D % 16 == 0) {
+          offs.resize(static_cast<size_t>(len - lo));
+          decode_one_avx2<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(),
+                              offs.data(), acc);
+          done = true;
+        }
+      }
+#endif
+      if (!done) decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);
     }
     Q* ob = op + b * Hq * D + h * G * D;
     for (int64_t i = 0; i < G * D; ++i) from_f(acc[i], ob + i);
@@ -965,12 +1150,8 @@ struct Tiles {
 }  // namespace amx
 
 // ---- prefill_attention ------------------------------------------------------------------------------------
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define LORAPLEX_PREFILL_AVX2 1  // prefill_item_avx2: 8-lane FMAs where the CPU has no AVX-512
-#endif
-
 bool has_prefill_attention() {
-#if defined(__AVX512F__) || defined(LORAPLEX_PREFILL_AVX2)
+#if defined(__AVX512F__) || defined(LORAPLEX_AVX2_ATTENTION)
   return true;
 #else
   return false;
@@ -1451,26 +1632,7 @@ void prefill_item_amx(const bf16* qp, int64_t qs0, int64_t qs1, bf16* op, int64_
 
 #endif  // __AVX512F__
 
-#if defined(LORAPLEX_PREFILL_AVX2)
-// out[i] = column i of the 8 x 8 floats in r
-inline void transpose8(const __m256 r[8], __m256 out[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {  // u[4 i + c], each 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3
-    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int c = 0; c < 4; ++c) {
-    out[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    out[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
-}
-
+#if defined(LORAPLEX_AVX2_ATTENTION)
 // prefill_item's AVX2 twin (8 lanes, 16 ymm registers) with the arithmetic of its fp32 path: q pre-scaled,
 // each block of 16 keys widened and transposed once for all the item's rows, then 4 rows at a time their
 // scores (4 x 2 independent chains), their online softmax, and P @ V for the 4 rows together (4 rows x 16
@@ -1606,7 +1768,7 @@ void prefill_item_avx2(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq,
 }
 #endif
 
-#if defined(__AVX512F__) || defined(LORAPLEX_PREFILL_AVX2)
+#if defined(__AVX512F__) || defined(LORAPLEX_AVX2_ATTENTION)
 template <typename Q, typename KV>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& table, int64_t seq_len, double scale, int64_t window, at::Tensor& out) {
@@ -1639,7 +1801,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
     }
 #endif
-#if defined(LORAPLEX_PREFILL_AVX2)
+#if defined(LORAPLEX_AVX2_ATTENTION)
     if (D == 64) {
       prefill_item_avx2<Q, KV, 64>(qp, q.stride(0), q.stride(1), op, Hq, kp + h * kh, vp + h * kh, kb, ks, tp,
                                    k_cache.size(1), start, i0, i1, h, G, sc, window);
@@ -1718,7 +1880,7 @@ at::Tensor prefill_attention_finer(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(kv_head_dim(k_cache) == D && v_cache.sizes() == k_cache.sizes() && table.numel() >= nb && q.stride(1) == D,
               "prefill_attention: the caches do not hold q's head_dim, or the table does not cover seq_len");
   const auto qt = q.scalar_type();
-#if defined(LORAPLEX_PREFILL_AVX2)
+#if defined(LORAPLEX_AVX2_ATTENTION)
   // no bf16 arithmetic here: bf16 q over int8 rows runs the float32 kernel over rows widened to float32 (the
   // reference's values, where bf16 rows would round them again), its output rounded to bf16 once
   if (qt == at::kBFloat16 && k_cache.scalar_type() == at::kChar)
@@ -1764,7 +1926,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                   table.numel() * k_cache.size(1) >= seq_len,
               "prefill_attention: the block table (int32) must cover seq_len");
   at::Tensor out = at::empty({n, Hq, D}, q.options());
-#if defined(__AVX512F__) || defined(LORAPLEX_PREFILL_AVX2)
+#if defined(__AVX512F__) || defined(LORAPLEX_AVX2_ATTENTION)
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kt, "prefill_attention: k and v caches differ in dtype");
   if (qt == at::kFloat && kt == at::kFloat) {
