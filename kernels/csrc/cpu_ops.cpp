@@ -156,18 +156,18 @@ void parallel_stealing(int64_t n, const F& fn) {
 // exp(x) as 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], a degree-6 Taylor polynomial for 2^f
 // (within fp32 softmax rounding: the attention tests hold fp32 to 1e-5 of a float64 reference), x clamped to [-87, 88] (so exp(-inf) = ~1e-38, not 0); written so that `omp simd`
 // vectorizes it, which std::exp does not without -ffast-math.
+// 2^f's polynomial, highest power first (Horner): the scalar and vector exps below all evaluate it
+constexpr float kExp2Poly[] = {1.5353362e-4f, 1.3398874e-3f, 9.6180573e-3f, 5.5503393e-2f,
+                               2.4022652e-1f, 6.9314718e-1f, 1.0f};
+constexpr int kExp2Terms = sizeof(kExp2Poly) / sizeof(float);
+
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.44269504088896341f;
   const float n = std::nearbyint(t);
   const float f = t - n;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6180573e-3f;
-  p = p * f + 5.5503393e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  float p = kExp2Poly[0];
+  for (int i = 1; i < kExp2Terms; ++i) p = p * f + kExp2Poly[i];
   const int32_t e = static_cast<int32_t>(n) + 127;
   uint32_t bits = static_cast<uint32_t>(e) << 23;
   float scale;
@@ -206,13 +206,8 @@ inline __m256 exp8(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.5353362e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180573e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503393e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < kExp2Terms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -1166,13 +1161,8 @@ inline __m512 exp16_in_range(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180573e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503393e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < kExp2Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
