@@ -1638,9 +1638,9 @@ void prefill_item_avx2(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq,
   float m[kMaxGroup][kPrefillRows], l[kMaxGroup][kPrefillRows];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < kPrefillRows; ++r) {  // rows past the item's are computed in the last 4-row tile, never stored
-      const Q* src = qp + (i0 + r) * qs0 + (h * G + g) * qs1;
+      const Q* src = r < rows ? qp + (i0 + r) * qs0 + (h * G + g) * qs1 : nullptr;
       for (int d = 0; d < D; ++d) {
-        qf[g][r][d] = r < rows ? to_f(src[d]) * scale : 0.f;
+        qf[g][r][d] = src ? to_f(src[d]) * scale : 0.f;
         acc[g][r][d] = 0.f;
       }
       m[g][r] = -std::numeric_limits<float>::infinity();

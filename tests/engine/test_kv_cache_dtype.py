@@ -30,7 +30,7 @@ CASES = [("float32", "int8"), ("bfloat16", "int8"), ("float32", "bfloat16")]  # 
 
 @pytest.mark.parametrize(("dtype", "kv"), CASES)
 @pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("qwen3", {}), ("mistral", {"head_dim": 64})],
-                         ids=["llama", "qwen3", "mistral-d64"])  # head_dim 16 and 32 (portable kernels), 64 (AVX-512)
+                         ids=["llama", "qwen3", "mistral-d64"])  # head_dim 16 and 32, and 64 (native prefill)
 def test_a_finer_cache_decodes_what_the_reference_would(make_model, family, overrides, dtype, kv) -> None:
     model_dir = make_model(family, **overrides)
     reference = LLM(model_dir, dtype=dtype, num_kv_blocks=256)
