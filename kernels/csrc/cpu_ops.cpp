@@ -153,14 +153,14 @@ void parallel_stealing(int64_t n, const F& fn) {
   });
 }
 
-// exp(x) as 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], a degree-6 Taylor polynomial for 2^f
-// (within fp32 softmax rounding: the attention tests hold fp32 to 1e-5 of a float64 reference), x clamped to [-87, 88] (so exp(-inf) = ~1e-38, not 0); written so that `omp simd`
-// vectorizes it, which std::exp does not without -ffast-math.
 // 2^f's polynomial, highest power first (Horner): the scalar and vector exps below all evaluate it
 constexpr float kExp2Poly[] = {1.5353362e-4f, 1.3398874e-3f, 9.6180573e-3f, 5.5503393e-2f,
                                2.4022652e-1f, 6.9314718e-1f, 1.0f};
 constexpr int kExp2Terms = sizeof(kExp2Poly) / sizeof(float);
 
+// exp(x) as 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], a degree-6 Taylor polynomial for 2^f
+// (within fp32 softmax rounding: the attention tests hold fp32 to 1e-5 of a float64 reference), x clamped to [-87, 88] (so exp(-inf) = ~1e-38, not 0); written so that `omp simd`
+// vectorizes it, which std::exp does not without -ffast-math.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.44269504088896341f;
