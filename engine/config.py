@@ -34,8 +34,8 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     # "auto" = the checkpoint's dtype on CUDA; on CPU bfloat16 where the CPU has native bf16, float32 elsewhere
-    # (kernels.cpu_features); quantized, bf16 unless that CPU's native int8 kernels read float32 (AVX2: int8,
-    # w8a8; torch's packed int kernels and int4 take bf16 activations)
+    # (kernels.cpu_features); quantized, bf16 unless that CPU's native int8/int4 kernels read float32 (AVX2:
+    # int8, w8a8, int4 and GPTQ checkpoints; torch's packed int kernels take bf16 activations)
     dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_gb
@@ -93,7 +93,7 @@ class EngineConfig:
         if self.device.startswith("cuda"):
             return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
         if self.quantization != "none" or "quantization_config" in model_config.raw:
-            return torch.float32 if self._int8_reads_float32(model_config) else torch.bfloat16
+            return torch.float32 if self._quantized_reads_float32(model_config) else torch.bfloat16
         return default_cpu_dtype()
 
     def kv_cache_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
@@ -109,20 +109,20 @@ class EngineConfig:
                              f"{str(compute).removeprefix('torch.')}")
         return cache
 
-    def _int8_reads_float32(self, model_config: ModelConfig) -> bool:
-        """On a CPU without native bf16: whether the native int8 (int8, w8a8) kernels read float32
-        activations here (kernels.native_cpu; AVX2). torch's packed int kernels and int4 take bf16 ones (fp32
-        ones dequantize every step)."""
-        if self.quantization not in ("int8", "w8a8") or "quantization_config" in model_config.raw:
-            return False
-        if default_cpu_dtype() is not torch.float32:
+    def _quantized_reads_float32(self, model_config: ModelConfig) -> bool:
+        """On a CPU without native bf16: whether the native kernels of this quantization (int8, w8a8, int4, and
+        a GPTQ checkpoint's int4) read float32 activations here (kernels.native_cpu; AVX2 builds). Elsewhere
+        quantized weights take bf16 activations (torch's packed kernels; fp32 ones would dequantize every step)."""
+        method = "int4" if "quantization_config" in model_config.raw else self.quantization  # GPTQ: 4-bit only
+        if method not in ("int8", "w8a8", "int4") or default_cpu_dtype() is not torch.float32:
             return False
         from kernels import native_cpu  # builds the ops once per machine (the engine loads them anyway)
 
         ops = native_cpu.ops()
         if ops is None:
             return False
-        return bool(ops.has_w8a8_linear_f32() if self.quantization == "w8a8" else ops.has_int8_linear_f32())
+        has = {"int8": ops.has_int8_linear_f32, "w8a8": ops.has_w8a8_linear_f32, "int4": ops.has_int4_linear_f32}
+        return bool(has[method]())
 
     def dtype_reason(self, model_config: ModelConfig) -> str:
         """One start-up line: the compute dtype and why it was chosen."""
@@ -133,7 +133,7 @@ class EngineConfig:
             return f"{name}: the checkpoint's dtype on CUDA"
         if self.quantization != "none" or "quantization_config" in model_config.raw:
             if name == "float32":
-                return "float32: the CPU has no native bf16 and its native int8 kernels read float32 activations"
+                return "float32: the CPU has no native bf16 and its native int8/int4 kernels read float32 activations"
             return f"{name}: quantized weights take bf16 activations on CPU"
         return cpu_dtype_reason()
 

@@ -145,6 +145,18 @@ def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     return True
 
 
+def can_pack_int4_f32(k: int) -> bool:
+    """Whether int4 weights of K inputs with float32 scales (activations) go to single-k int4 panels: prepacking
+    on and the native AVX2 kernel built (`int4_linear` with float32 x)."""
+    if os.environ.get(PREPACK_ENV, "1") == "0" or k % 2:
+        return False
+    ops = native_cpu.available_for(torch.empty(0, k))
+    if ops is None or not ops.has_int4_linear_f32():
+        return False
+    _bind(ops)
+    return True
+
+
 def can_pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an int8 (N, K) weight with int8 activations goes to the native quads: on the CPU, K a
     multiple of 16, prepacking on, and a native int8 kernel built for the scales' (activations') dtype:
@@ -215,15 +227,17 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias over int4 panels (bf16 x; kernels.quant_cpu.pack_int4_panels) with their (G, N, 2)
-    bf16 scales and zeros: fp32 sums, the weights ((q - 8) * scale + zero) never rounded, y rounded once.
-    Each group sums x * (128 + q) in bf16 dot products (128 + q is exact in bf16) and subtracts
-    136 * sum(x) before its scale: within the tests' bf16 tolerance of the fp32 reference.
+    """y = x @ W.T + bias over int4 panels (kernels.quant_cpu.pack_int4_panels) with their (G, N, 2) scales
+    and zeros in x's dtype: fp32 sums, the weights ((q - 8) * scale + zero) never rounded, y rounded once.
+    bf16 x (k-pair panels): each group sums x * (128 + q) in bf16 dot products (128 + q is exact in bf16)
+    and subtracts 136 * sum(x) before its scale. float32 x (single-k panels, AVX2 builds): each group sums
+    x * q in fp32 FMAs, then adds scale * that + (zero - 8 * scale) * sum(x); the same operations at every
+    batch size, so a row's result does not depend on the rows beside it.
 
-    Semantics: the reference is F.linear(x.float(), dequantize(w) in fp32, bias), rounded to bf16.
+    Semantics: the reference is F.linear(x.float(), dequantize(w) in fp32, bias), in x's dtype.
     """
     assert _INT4_LINEAR is not None, "int4 panels are only made where the native ops run"
-    x2, b = _rows(x, qweight.shape[1] * 4), _bias(bias)
+    x2, b = _rows(x, qweight.shape[1] * (2 if qweight.shape[2] == PANEL else 4)), _bias(bias)
     return _INT4_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
 
 

@@ -176,7 +176,8 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 def place(w: Weight, device: torch.device | str) -> Weight:
     """w on `device` in the layout its kernels read: a dense CPU weight is prepacked (kernels.dense_cpu: the
     native panels, or oneDNN's layout); int8 and int4 with bf16 scales go to the native int8 / int4 panels
-    where the native bf16 kernel runs, int8 with float32 scales to int8 panels where the AVX2 kernel runs;
+    where the native bf16 kernel runs, int8 and int4 with float32 scales to single-k panels where the AVX2
+    kernels run;
     else int4 goes to torch's CPU layout where that kernel exists and N is a multiple of 16 (else it stays
     in nibbles and is dequantized per call). int8 with int8 activations goes to the native quads where a
     native int8 x int8 kernel reads the scales' dtype (VNNI, AVX2), else stays in rows."""
@@ -195,8 +196,9 @@ def place(w: Weight, device: torch.device | str) -> Weight:
             return Int8Weight(dense_cpu.panel(q, pairs), w.scales.contiguous(), "panels")
         return Int8Weight(q, w.scales.to(device), activations=w.activations)
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4_panels(w):
-        return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
-                          "panels")
+        single_k = w.scale_zeros.dtype == torch.float32  # float32 activations read single-k panels
+        return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w), single_k), w.scale_zeros.contiguous(),
+                          w.group_size, "panels")
     if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4(w.shape[0]):
         return Int4Weight(quant_cpu.pack_int4(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
                           "cpu_int4pack")

@@ -14,6 +14,10 @@ model's shapes, torch 2.13):
   activation dtype and F.linear runs it (one extra pass over the weight per call).
 - a kernel missing from this torch build: dequantize then F.linear, whatever the dtype.
 
+Where the native kernels are built (kernels.dense_cpu), weights placed into their panels skip all of the
+above: int8 and int4 panels for bf16 activations (AVX512-BF16), single-k int8 and int4 panels for float32
+activations (AVX2), int8 quads for w8a8.
+
 torch's int4 layout is blocked (64 rows per block with AVX-512, 32 otherwise; the pairing of rows in a byte
 depends on the CPU capability), so `unpack_int4` reads it back through the row order it probes from the
 packing op itself, once per block size, on this machine.
@@ -50,7 +54,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
         if bf16 and HAS_INT8_MM and tokens <= INT8_PACKED_MAX_TOKENS:
             return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)
         return F.linear(x, w.qweight.to(x.dtype) * w.scales[:, None], bias)
-    if w.layout == "panels":  # made only for bf16 activations (kernels.quant.place)
+    if w.layout == "panels":  # made for the scales' dtype (kernels.quant.place)
         return dense_cpu.int4_linear(x, w.qweight, w.scale_zeros, bias)
     if bf16 and w.layout == "cpu_int4pack" and tokens <= INT4_PACKED_MAX_TOKENS:
         return _add_bias(_aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.qweight, w.group_size, w.scale_zeros),
@@ -75,30 +79,44 @@ def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     return torch.addcmul(zeros[:, None, :], centered.view(groups, w.group_size, n), scales[:, None, :]).view(k, n)
 
 
-def pack_int4_panels(q: torch.Tensor) -> torch.Tensor:
+def pack_int4_panels(q: torch.Tensor, single_k: bool = False) -> torch.Tensor:
     """(N, K) values in 0..15 -> the native kernel's int4 panels (kernels.quant_weights, layout "panels";
-    the kernel reads the scales and zeros from scale_zeros as stored)."""
+    the kernel reads the scales and zeros from scale_zeros as stored), zero past N. For bf16 activations
+    (P, K / 4, 32): byte e of [p, t] holds element e of k pair 2t (low nibble) and of k pair 2t + 1 (high),
+    each k pair's 32 elements in the bf16 panels' order (16 columns x 2 k). `single_k`, for float32
+    activations: (P, K / 2, 16), byte [p, t, j] = q[16 p + j, 2 t] | q[16 p + j, 2 t + 1] << 4."""
     n, k = q.shape
     panels = -(-n // dense_cpu.PANEL)
     padded = torch.zeros(panels * dense_cpu.PANEL, k, dtype=torch.uint8)
     padded[:n] = q
+    if single_k:
+        pairs = padded.view(panels, dense_cpu.PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (P, K / 2, 16, 2)
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
     pairs = padded.view(panels, dense_cpu.PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(panels, k // 4, 2, 32)
     return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
 
 
 def unpack_int4_panels(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The (N, K) values of `pack_int4_panels`'s panels."""
-    panels, k4, _ = packed.shape
+    """The (N, K) values of `pack_int4_panels`'s panels (either kind: single-k panels hold 16 bytes a k pair)."""
+    panels, steps, width = packed.shape
+    if width == dense_cpu.PANEL:  # single k: (P, K / 2, 16)
+        pairs = torch.stack([packed & 15, packed >> 4], dim=3)  # (P, K / 2, 16, 2)
+        return pairs.permute(0, 2, 1, 3).reshape(panels * dense_cpu.PANEL, 2 * steps)[:n].contiguous()
     pairs = torch.stack([packed & 15, packed >> 4], dim=2)  # (P, K / 4, 2, 32)
-    q = pairs.view(panels, k4, 2, dense_cpu.PANEL, 2).permute(0, 3, 1, 2, 4).reshape(panels * dense_cpu.PANEL, 4 * k4)
+    q = pairs.view(panels, steps, 2, dense_cpu.PANEL, 2).permute(0, 3, 1, 2, 4).reshape(panels * dense_cpu.PANEL,
+                                                                                         4 * steps)
     return q[:n].contiguous()
 
 
 def can_pack_int4_panels(w: Int4Weight) -> bool:
-    """Whether an int4 weight goes to the native panels: on the CPU, bf16 scales (activations), K a multiple
-    of 4, and the native bf16 kernel built."""
-    return (w.qweight.device.type == "cpu" and w.scale_zeros.dtype == torch.bfloat16 and w.shape[1] % 4 == 0
-            and dense_cpu.bf16_panels_ready(w.shape[1]))
+    """Whether an int4 weight goes to the native panels: on the CPU, with bf16 scales (activations), K a
+    multiple of 4 and the native bf16 kernel built (k-pair panels), or with float32 scales and the native AVX2
+    kernel built (single-k panels: `pack_int4_panels(q, single_k=True)`)."""
+    if w.qweight.device.type != "cpu":
+        return False
+    if w.scale_zeros.dtype == torch.float32:
+        return dense_cpu.can_pack_int4_f32(w.shape[1])
+    return w.scale_zeros.dtype == torch.bfloat16 and w.shape[1] % 4 == 0 and dense_cpu.bf16_panels_ready(w.shape[1])
 
 
 def can_pack_int4(out_features: int) -> bool:

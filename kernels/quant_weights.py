@@ -68,9 +68,11 @@ class Int4Weight:
     "nibbles":      (N, K / 2) uint8, byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4. Host form, and CUDA's.
     "cpu_int4pack": (N, K / 2) uint8 in the blocked layout of torch's `_convert_weight_to_int4pack_for_cpu`
                     (blocks of 64 or 32 rows, depending on the CPU; kernels.quant_cpu reads it back).
-    "panels":       (ceil(N / 16), K / 4, 32) uint8 for the CPU's native kernel: byte e of [p, t] holds element
-                    e of k-pair 2t (low nibble) and of k-pair 2t + 1 (high nibble), each k-pair's 32 elements
-                    in kernels.dense_cpu's bf16 panel order (scale_zeros as in every layout).
+    "panels":       for the CPU's native kernels (scale_zeros as in every layout), in the activations' form:
+                    bf16, (ceil(N / 16), K / 4, 32) uint8: byte e of [p, t] holds element e of k-pair 2t (low
+                    nibble) and of k-pair 2t + 1 (high nibble), each k-pair's 32 elements in kernels.dense_cpu's
+                    bf16 panel order; float32, single k (ceil(N / 16), K / 2, 16): byte [p, t, j] holds
+                    q[16 p + j, 2t] (low nibble) and q[16 p + j, 2t + 1] (high).
     """
 
     qweight: torch.Tensor
@@ -80,8 +82,8 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.layout == "panels":
-            return (self.scale_zeros.shape[1], 4 * self.qweight.shape[1])
+        if self.layout == "panels":  # k-pair panels hold 4 k a byte row of 32, single-k panels 2 in one of 16
+            return (self.scale_zeros.shape[1], (2 if self.qweight.shape[2] == 16 else 4) * self.qweight.shape[1])
         return (self.qweight.shape[0], 2 * self.qweight.shape[1])
 
     @property

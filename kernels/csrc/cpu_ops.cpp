@@ -17,7 +17,8 @@
 //                      avx512_bf16, see has_bf16_linear)
 //   int8_linear        the same over int8 panels (per-output-channel scales), widened to bf16 in registers;
 //                      float32 x over single-k int8 panels widened to fp32 (AVX2, has_int8_linear_f32)
-//   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16
+//   int4_linear        the same over int4 panels (group-wise scales and zeros), nibbles widened to bf16;
+//                      float32 x over single-k int4 panels widened to fp32 (AVX2, has_int4_linear_f32)
 //   w8a8_linear        int8 weights x the activations rounded to int8 per row at the call, int32 sums by
 //                      AVX512-VNNI (bf16 x), or by AVX2 byte and word multiply-adds (bf16 or float32 x)
 //                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
@@ -3686,10 +3687,22 @@ void amx_linear_int4(const uint16_t* xp, int64_t xs, int64_t M, int64_t K4, cons
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
+                           const std::optional<at::Tensor>& bias);
+#endif
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
-              "int4_linear: x (M, K) bfloat16, rows contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int4_linear: x (M, K) bfloat16 or float32, rows contiguous");
+  if (x.scalar_type() == at::kFloat) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return int4_linear_f32(x, w, scale_zeros, bias);
+#else
+    TORCH_CHECK(false, "int4_linear: this build has no AVX2 float32 kernel (see has_int4_linear_f32)");
+#endif
+  }
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 32 && w.size(1) * 4 == K,
               "int4_linear: w must be int4 panels (P, K / 4, 32) for this K");
@@ -3973,6 +3986,203 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #endif
 }
 
+// ---- int4_linear with float32 x (AVX2 builds) ---------------------------------------------------------------
+// Single-k int4 panels (P, K / 2, 16) uint8: byte [p, t, j] = q[16 p + j, 2 t] | q[16 p + j, 2 t + 1] << 4 (q = 0
+// past N), with the model's (G, N, 2) float32 scales and zeros. Each group sums x * q in fp32 (q = 0..15 as
+// floats, exact), then y += s * that + (z - 8 s) * (the row's sum of x over the group): the weights
+// (q - 8) s + z, group by group, without making each weight. One row widens the nibbles in registers (two
+// panels at a time); more rows widen each pair of panels once into fp32 q panels that their tiles of up to 6
+// rows read. The same operations in the same order either way, so a row's result does not depend on the rows
+// computed beside it.
+#if defined(LORAPLEX_F32_AVX2)
+bool has_int4_linear_f32() { return true; }
+
+// One panel's (columns n0 .. n0 + 15) group terms into out (G x 32 floats): s[16], then z - 8 s [16] (zero past N).
+void int4_panel_terms(const float* sz, int64_t n, int64_t G, int64_t n0, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = sz + (g * n + n0) * 2;
+    alignas(32) float part[32] = {};
+    if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
+      std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
+      p = part;
+    }
+    for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
+      const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
+      const __m256 sv = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+      const __m256 zv = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+      _mm256_storeu_ps(out + g * 32 + 8 * h, sv);
+      _mm256_storeu_ps(out + g * 32 + 16 + 8 * h, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv));  // 8 s: exact
+    }
+  }
+}
+
+// k pair t of a panel as fp32 q: w[0], w[1] = k 2t, columns 0-7 and 8-15; w[2], w[3] = k 2t + 1.
+inline void int4_kpair_f32(const uint8_t* p, __m256 w[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i c0 = _mm256_cvtepu8_epi32(b), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i low = _mm256_set1_epi32(15);
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(c0, low));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c1, low));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4));  // a byte >> 4 is its high nibble
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4));
+}
+
+// The group's terms into a row's running sums: y = s * acc + y, then (z - 8 s) * xsum + y.
+inline __m256 int4_group_step(__m256 acc, const float* terms, int h, __m256 xg, __m256 y) {
+  return _mm256_fmadd_ps(xg, _mm256_loadu_ps(terms + 16 + 8 * h), _mm256_fmadd_ps(acc, _mm256_loadu_ps(terms + 8 * h), y));
+}
+
+// y (16 columns of each of MR rows, from n0) + bias into out, the columns below N.
+template <int MR>
+inline void int4_store(const float (*y)[16], int64_t n0, int64_t N, float* out, int64_t os, const float* bias) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c0 = n0 + 8 * h;
+    const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
+    if (valid <= 0) break;
+    alignas(32) float bb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c = 0; bias && c < valid; ++c) bb[c] = bias[c0 + c];
+    for (int i = 0; i < MR; ++i) store8(out + i * os + c0, _mm256_add_ps(_mm256_loadu_ps(y[i] + 8 * h), _mm256_load_ps(bb)), valid);
+  }
+}
+
+// One row x NR panels, the nibbles widened in registers; terms[j]: panel j's int4_panel_terms.
+template <int NR>
+inline void int4_row_f32(const float* __restrict x, const float* __restrict xsum, const uint8_t* const* panel,
+                         const float* const* terms, int64_t K2, int64_t G, int64_t p0, int64_t N, float* __restrict out,
+                         const float* __restrict bias) {
+  const int64_t tpg = K2 / G;
+  __m256 y[NR][2];
+  for (int j = 0; j < NR; ++j) y[j][0] = y[j][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[NR][2];
+    for (int j = 0; j < NR; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t t = g * tpg; t < (g + 1) * tpg; ++t) {
+      const __m256 a0 = _mm256_broadcast_ss(x + 2 * t), a1 = _mm256_broadcast_ss(x + 2 * t + 1);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        __m256 w[4];
+        int4_kpair_f32(panel[j] + t * 16, w);
+        acc[j][0] = _mm256_fmadd_ps(a0, w[0], acc[j][0]);
+        acc[j][1] = _mm256_fmadd_ps(a0, w[1], acc[j][1]);
+        acc[j][0] = _mm256_fmadd_ps(a1, w[2], acc[j][0]);
+        acc[j][1] = _mm256_fmadd_ps(a1, w[3], acc[j][1]);
+      }
+    }
+    const __m256 xg = _mm256_broadcast_ss(xsum + g);
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) y[j][h] = int4_group_step(acc[j][h], terms[j] + g * 32, h, xg, y[j][h]);
+  }
+  for (int j = 0; j < NR; ++j) {
+    alignas(32) float yj[1][16];
+    _mm256_store_ps(yj[0], y[j][0]);
+    _mm256_store_ps(yj[0] + 8, y[j][1]);
+    int4_store<1>(yj, (p0 + j) * 16, N, out, 0, bias);
+  }
+}
+
+// MR rows x one panel over its q widened to fp32 (wide: K x 16 floats), running sums kept in y (in L1).
+template <int MR>
+inline void int4_tile_f32(const float* __restrict x, int64_t xs, const float* __restrict xsum, const float* __restrict wide,
+                          const float* __restrict terms, int64_t K2, int64_t G, int64_t n0, int64_t N,
+                          float* __restrict out, int64_t os, const float* __restrict bias) {
+  const int64_t tpg = K2 / G;
+  alignas(32) float y[MR][16] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 2 * g * tpg; k < 2 * (g + 1) * tpg; ++k) {
+      const __m256 w0 = _mm256_loadu_ps(wide + k * 16), w1 = _mm256_loadu_ps(wide + k * 16 + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 a = _mm256_broadcast_ss(x + i * xs + k);
+        acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_ps(y[i] + 8 * h, int4_group_step(acc[i][h], terms + g * 32, h, xg, _mm256_load_ps(y[i] + 8 * h)));
+    }
+  }
+  int4_store<MR>(y, n0, N, out, os, bias);
+}
+
+at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
+                           const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(1) * 2 == K,
+              "int4_linear: float32 x needs single-k int4 panels (P, K / 2, 16) for this K");
+  const int64_t P = w.size(0), K2 = w.size(1);
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == at::kFloat &&
+                  scale_zeros.size(2) == 2 && K2 % scale_zeros.size(0) == 0,
+              "int4_linear: float32 x needs scale_zeros (G, N, 2) float32, G dividing K / 2");
+  const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0);
+  TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "int4_linear: the panels do not hold N columns");
+  const float* bp = bias_ptr(bias, n, "int4_linear");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const float* sz = scale_zeros.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = K / G;
+  std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum of x over each group
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* row = xp + m * xs + g * group;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t k = 0; k < group; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(row + k));
+      xsum[m * G + g] = hsum8(acc);
+    }
+  constexpr int64_t kPanels = 2;  // panels an item
+  struct Scratch {
+    std::vector<float> terms, wide;
+  };
+  parallel_stealing<Scratch>((P + kPanels - 1) / kPanels, [&](Scratch& scratch, int64_t item, int64_t) {
+    const int64_t p0 = item * kPanels;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanels, P - p0));
+    scratch.terms.resize(static_cast<size_t>(kPanels * G * 32));
+    const uint8_t* panel[kPanels];
+    const float* terms[kPanels];
+    for (int j = 0; j < nr; ++j) {
+      panel[j] = wp + (p0 + j) * K2 * 16;
+      terms[j] = scratch.terms.data() + j * G * 32;
+      int4_panel_terms(sz, n, G, (p0 + j) * 16, scratch.terms.data() + j * G * 32);
+    }
+    if (M == 1) {
+      if (nr == 2) {
+        int4_row_f32<2>(xp, xsum.data(), panel, terms, K2, G, p0, n, op, bp);
+      } else {
+        int4_row_f32<1>(xp, xsum.data(), panel, terms, K2, G, p0, n, op, bp);
+      }
+      return;
+    }
+    // more rows: each panel's q once as fp32 (K x 16), then tiles of up to 6 rows over it
+    scratch.wide.resize(static_cast<size_t>(K * 16));
+    for (int j = 0; j < nr; ++j) {
+      for (int64_t t = 0; t < K2; ++t) {
+        __m256 wv[4];
+        int4_kpair_f32(panel[j] + t * 16, wv);
+        float* dst = scratch.wide.data() + 32 * t;
+        for (int u = 0; u < 4; ++u) _mm256_storeu_ps(dst + 8 * u, wv[u]);
+      }
+      const int64_t n0 = (p0 + j) * 16;
+      for_row_tiles(M, [&](auto mr, int64_t m) {
+        int4_tile_f32<decltype(mr)::value>(xp + m * xs, xs, xsum.data() + m * G, scratch.wide.data(), terms[j], K2, G, n0,
+                                           n, op + m * n, n, bp);
+      });
+    }
+  });
+  return out;
+}
+#else
+bool has_int4_linear_f32() { return false; }
+#endif
+
 // ---- layer_forward -----------------------------------------------------------------------------------------
 // One decoder layer of a step: the ops above in the model's order (engine/models/llama.py), LoRA adds
 // included, called from here instead of from Python, so a step pays one Python call per layer instead of nine
@@ -4190,6 +4400,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_w8a8_linear() -> bool", &has_w8a8_linear);
   m.def("has_w8a8_linear_f32() -> bool", &has_w8a8_linear_f32);
   m.def("has_int8_linear_f32() -> bool", &has_int8_linear_f32);
+  m.def("has_int4_linear_f32() -> bool", &has_int4_linear_f32);
   m.def("layer_forward(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "

@@ -394,7 +394,8 @@ def test_amx_tiles_equal_the_avx512_tiles(ops, m, n, k):
 @pytest.mark.parametrize("tiles", ["vectors", "amx"])
 def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
     """The fused gate/up op is silu_mul of the same kernel's product, bit for bit, for every weight kind the
-    decode layer takes (bf16, fp32, int8, int4 panels, w8a8 quads): on AMX tiles (bf16 panels and w8a8 quads)
+    decode layer takes (bf16, fp32, int8, int4 panels, w8a8 quads, the quantized kinds with bf16 or float32
+    activations): on AMX tiles (bf16 panels and w8a8 quads)
     its epilogue rounds the gate and up sums to bf16 as the product's store does, then runs silu_mul's
     operations; elsewhere the two ops run in turn. I = 48 (three 16-column panels per half), K = 128."""
     from engine.models.llama import _native_operands
@@ -409,7 +410,10 @@ def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
     cases = {"fp32": (dense_cpu.pack(w), x.float()),
              "int8": (place(quantize_int8(w, torch.bfloat16), "cpu"), x),
              "w8a8": (place(quantize_int8(w, torch.bfloat16, activations="int8"), "cpu"), x),
-             "int4": (place(quantize_int4(w, 32, torch.bfloat16), "cpu"), x)}
+             "int4": (place(quantize_int4(w, 32, torch.bfloat16), "cpu"), x),
+             "int8-fp32": (place(quantize_int8(w, torch.float32), "cpu"), x.float()),
+             "w8a8-fp32": (place(quantize_int8(w, torch.float32, activations="int8"), "cpu"), x.float()),
+             "int4-fp32": (place(quantize_int4(w, 32, torch.float32), "cpu"), x.float())}
     if dense_cpu.can_pack(w.bfloat16()):  # a CPU without native bf16 keeps bf16 weights unpacked
         cases["bf16"] = (dense_cpu.pack(w.bfloat16()), x)
     ran = []
@@ -433,28 +437,41 @@ def test_set_amx_reports_whether_the_tiles_run(ops, amx_off):
     assert ops.set_amx(True) is ops.has_amx()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(96, 64, 32), (40, 128, 64), (600, 256, 128), (72, 64, 64)])
-def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size):
-    """Streaming tiles (1-2 rows x 4 panels, 3-6 rows x 2), the widened path (more rows), N not a multiple of
-    16, every group size, with a bias: the fp32 product over the dequantized weights, rounded once."""
+def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size, dtype):
+    """Streaming tiles (bf16: 1-2 rows x 4 panels, 3-6 rows x 2; float32: 1-2 rows), the widened path (more
+    rows), N not a multiple of 16, every group size, with a bias: the fp32 product over the dequantized
+    weights, rounded once to x's dtype. float32 activations read single-k panels (the AVX2 kernel)."""
     from kernels.quant import dequantize, int4_values, linear, place, quantize_int4
 
-    _need_panels(ops, torch.bfloat16)
+    if dtype == torch.bfloat16:
+        _need_panels(ops, torch.bfloat16)
+    elif not ops.has_int4_linear_f32():
+        pytest.skip("this CPU has no native int4 kernel for float32 activations (no AVX2)")
     g = torch.Generator().manual_seed(m * n + k)
-    q = quantize_int4(torch.randn(n, k, generator=g), group_size, torch.bfloat16)
+    q = quantize_int4(torch.randn(n, k, generator=g), group_size, dtype)
     placed = place(q, "cpu")
     assert placed.layout == "panels" and placed.shape == (n, k) and placed.group_size == group_size
+    assert placed.qweight.shape[1:] == ((k // 2, 16) if dtype == torch.float32 else (k // 4, 32))
     assert torch.equal(int4_values(placed), int4_values(q)) and torch.equal(dequantize(placed), dequantize(q))
-    assert placed.nbytes == -(-n // 16) * 16 * k // 2 + q.scale_zeros.numel() * 2  # scales and zeros: not copied
-    x = torch.randn(m, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16()
+    # scales and zeros: not copied
+    assert placed.nbytes == -(-n // 16) * 16 * k // 2 + q.scale_zeros.numel() * dtype.itemsize
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
     for b in (None, bias):
         want = F.linear(x.float(), dequantize(q), None if b is None else b.float())
         got = linear(x, placed, b)
-        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-        # bf16 output rounding (2^-8 relative) on top of fp32 sums of 128 + q that the group terms cancel
-        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        assert got.dtype == dtype and got.shape == (m, n)
+        if dtype == torch.bfloat16:
+            # bf16 output rounding (2^-8 relative) on top of fp32 sums of 128 + q that the group terms cancel
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        else:  # fp32 sums of x * q per group, then scale and zero terms: within fp32 rounding
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if dtype == torch.float32:  # each row as it comes out alone: the same FMAs at every batch size
+        for i in range(m):
+            assert torch.equal(linear(x[i : i + 1], placed, bias)[0], linear(x, placed, bias)[i])
     assert torch.equal(int4_values(place(placed, "cpu")), int4_values(q))  # placing again keeps the values
 
 
