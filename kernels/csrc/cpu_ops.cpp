@@ -3997,21 +3997,31 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
 
-// One panel's (columns n0 .. n0 + 15) group terms into out (G x 32 floats): s[16], then z - 8 s [16] (zero past N).
+// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N).
+inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
+  const float* p = sz + (g * n + n0) * 2;
+  alignas(32) float part[32];
+  if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
+    std::fill(part, part + 32, 0.f);
+    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
+    p = part;
+  }
+  for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
+    const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
+    s[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+    z8[h] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[h], z);  // 8 s is exact
+  }
+}
+
+// One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16].
 void int4_panel_terms(const float* sz, int64_t n, int64_t G, int64_t n0, float* out) {
   for (int64_t g = 0; g < G; ++g) {
-    const float* p = sz + (g * n + n0) * 2;
-    alignas(32) float part[32] = {};
-    if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
-      std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
-      p = part;
-    }
-    for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
-      const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
-      const __m256 sv = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-      const __m256 zv = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
-      _mm256_storeu_ps(out + g * 32 + 8 * h, sv);
-      _mm256_storeu_ps(out + g * 32 + 16 + 8 * h, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv));  // 8 s: exact
+    __m256 sv[2], zv[2];
+    int4_group_terms(sz, n, g, n0, sv, zv);
+    for (int h = 0; h < 2; ++h) {
+      _mm256_storeu_ps(out + g * 32 + 8 * h, sv[h]);
+      _mm256_storeu_ps(out + g * 32 + 16 + 8 * h, zv[h]);
     }
   }
 }
@@ -4028,8 +4038,8 @@ inline void int4_kpair_f32(const uint8_t* p, __m256 w[4]) {
 }
 
 // The group's terms into a row's running sums: y = s * acc + y, then (z - 8 s) * xsum + y.
-inline __m256 int4_group_step(__m256 acc, const float* terms, int h, __m256 xg, __m256 y) {
-  return _mm256_fmadd_ps(xg, _mm256_loadu_ps(terms + 16 + 8 * h), _mm256_fmadd_ps(acc, _mm256_loadu_ps(terms + 8 * h), y));
+inline __m256 int4_group_step(__m256 acc, __m256 s, __m256 z8, __m256 xg, __m256 y) {
+  return _mm256_fmadd_ps(xg, z8, _mm256_fmadd_ps(acc, s, y));
 }
 
 // y (16 columns of each of MR rows, from n0) + bias into out, the columns below N.
@@ -4045,10 +4055,10 @@ inline void int4_store(const float (*y)[16], int64_t n0, int64_t N, float* out, 
   }
 }
 
-// One row x NR panels, the nibbles widened in registers; terms[j]: panel j's int4_panel_terms.
+// One row x NR panels (from p0), the nibbles widened in registers and the group terms made there too.
 template <int NR>
 inline void int4_row_f32(const float* __restrict x, const float* __restrict xsum, const uint8_t* const* panel,
-                         const float* const* terms, int64_t K2, int64_t G, int64_t p0, int64_t N, float* __restrict out,
+                         const float* __restrict sz, int64_t K2, int64_t G, int64_t p0, int64_t N, float* __restrict out,
                          const float* __restrict bias) {
   const int64_t tpg = K2 / G;
   __m256 y[NR][2];
@@ -4069,8 +4079,11 @@ inline void int4_row_f32(const float* __restrict x, const float* __restrict xsum
       }
     }
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
-    for (int j = 0; j < NR; ++j)
-      for (int h = 0; h < 2; ++h) y[j][h] = int4_group_step(acc[j][h], terms[j] + g * 32, h, xg, y[j][h]);
+    for (int j = 0; j < NR; ++j) {
+      __m256 sv[2], zv[2];
+      int4_group_terms(sz, N, g, (p0 + j) * 16, sv, zv);
+      for (int h = 0; h < 2; ++h) y[j][h] = int4_group_step(acc[j][h], sv[h], zv[h], xg, y[j][h]);
+    }
   }
   for (int j = 0; j < NR; ++j) {
     alignas(32) float yj[1][16];
@@ -4104,7 +4117,9 @@ inline void int4_tile_f32(const float* __restrict x, int64_t xs, const float* __
     for (int i = 0; i < MR; ++i) {
       const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
       for (int h = 0; h < 2; ++h)
-        _mm256_store_ps(y[i] + 8 * h, int4_group_step(acc[i][h], terms + g * 32, h, xg, _mm256_load_ps(y[i] + 8 * h)));
+        _mm256_store_ps(y[i] + 8 * h, int4_group_step(acc[i][h], _mm256_loadu_ps(terms + g * 32 + 8 * h),
+                                                      _mm256_loadu_ps(terms + g * 32 + 16 + 8 * h), xg,
+                                                      _mm256_load_ps(y[i] + 8 * h)));
     }
   }
   int4_store<MR>(y, n0, N, out, os, bias);
@@ -4145,22 +4160,17 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
   parallel_stealing<Scratch>((P + kPanels - 1) / kPanels, [&](Scratch& scratch, int64_t item, int64_t) {
     const int64_t p0 = item * kPanels;
     const int nr = static_cast<int>(std::min<int64_t>(kPanels, P - p0));
-    scratch.terms.resize(static_cast<size_t>(kPanels * G * 32));
     const uint8_t* panel[kPanels];
-    const float* terms[kPanels];
-    for (int j = 0; j < nr; ++j) {
-      panel[j] = wp + (p0 + j) * K2 * 16;
-      terms[j] = scratch.terms.data() + j * G * 32;
-      int4_panel_terms(sz, n, G, (p0 + j) * 16, scratch.terms.data() + j * G * 32);
-    }
+    for (int j = 0; j < nr; ++j) panel[j] = wp + (p0 + j) * K2 * 16;
     if (M == 1) {
       if (nr == 2) {
-        int4_row_f32<2>(xp, xsum.data(), panel, terms, K2, G, p0, n, op, bp);
+        int4_row_f32<2>(xp, xsum.data(), panel, sz, K2, G, p0, n, op, bp);
       } else {
-        int4_row_f32<1>(xp, xsum.data(), panel, terms, K2, G, p0, n, op, bp);
+        int4_row_f32<1>(xp, xsum.data(), panel, sz, K2, G, p0, n, op, bp);
       }
       return;
     }
+    scratch.terms.resize(static_cast<size_t>(G * 32));
     // more rows: each panel's q once as fp32 (K x 16), then tiles of up to 6 rows over it
     scratch.wide.resize(static_cast<size_t>(K * 16));
     for (int j = 0; j < nr; ++j) {
@@ -4171,9 +4181,10 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
         for (int u = 0; u < 4; ++u) _mm256_storeu_ps(dst + 8 * u, wv[u]);
       }
       const int64_t n0 = (p0 + j) * 16;
+      int4_panel_terms(sz, n, G, n0, scratch.terms.data());
       for_row_tiles(M, [&](auto mr, int64_t m) {
-        int4_tile_f32<decltype(mr)::value>(xp + m * xs, xs, xsum.data() + m * G, scratch.wide.data(), terms[j], K2, G, n0,
-                                           n, op + m * n, n, bp);
+        int4_tile_f32<decltype(mr)::value>(xp + m * xs, xs, xsum.data() + m * G, scratch.wide.data(),
+                                           scratch.terms.data(), K2, G, n0, n, op + m * n, n, bp);
       });
     }
   });
