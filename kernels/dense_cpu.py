@@ -145,10 +145,10 @@ def can_pack_int8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     return True
 
 
-def can_pack_int4_f32(k: int) -> bool:
-    """Whether int4 weights of K inputs with float32 scales (activations) go to single-k int4 panels: prepacking
-    on and the native AVX2 kernel built (`int4_linear` with float32 x)."""
-    if os.environ.get(PREPACK_ENV, "1") == "0" or k % 2:
+def can_pack_int4_f32(k: int, group_size: int) -> bool:
+    """Whether int4 weights of K inputs with float32 scales (activations) go to single-k int4 panels: groups of
+    a multiple of 8 inputs, prepacking on and the native AVX2 kernel built (`int4_linear` with float32 x)."""
+    if os.environ.get(PREPACK_ENV, "1") == "0" or k % 2 or group_size % 8:
         return False
     ops = native_cpu.available_for(torch.empty(0, k))
     if ops is None or not ops.has_int4_linear_f32():

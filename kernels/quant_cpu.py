@@ -115,7 +115,7 @@ def can_pack_int4_panels(w: Int4Weight) -> bool:
     if w.qweight.device.type != "cpu":
         return False
     if w.scale_zeros.dtype == torch.float32:
-        return dense_cpu.can_pack_int4_f32(w.shape[1])
+        return dense_cpu.can_pack_int4_f32(w.shape[1], w.group_size)
     return w.scale_zeros.dtype == torch.bfloat16 and w.shape[1] % 4 == 0 and dense_cpu.bf16_panels_ready(w.shape[1])
 
 

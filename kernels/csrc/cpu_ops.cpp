@@ -3991,8 +3991,8 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // past N), with the model's (G, N, 2) float32 scales and zeros. Each group sums x * q in fp32 (q = 0..15 as
 // floats, exact), then y += s * that + (z - 8 s) * (the row's sum of x over the group): the weights
 // (q - 8) s + z, group by group, without making each weight. One row widens the nibbles in registers (two
-// panels at a time); more rows widen each pair of panels once into fp32 q panels that their tiles of up to 6
-// rows read. The same operations in the same order either way, so a row's result does not depend on the rows
+// panels at a time); more rows widen each panel once into fp32 q (K x 16 floats) that tiles of up to 6 rows
+// read. The same operations in the same order either way, so a row's result does not depend on the rows
 // computed beside it.
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
@@ -4134,7 +4134,8 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == at::kFloat &&
                   scale_zeros.size(2) == 2 && K2 % scale_zeros.size(0) == 0,
               "int4_linear: float32 x needs scale_zeros (G, N, 2) float32, G dividing K / 2");
-  const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0);
+  const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0), group = K / G;
+  TORCH_CHECK(group % 8 == 0, "int4_linear: float32 x needs groups of a multiple of 8 inputs");
   TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "int4_linear: the panels do not hold N columns");
   const float* bp = bias_ptr(bias, n, "int4_linear");
   at::Tensor out = at::empty({M, n}, x.options());
@@ -4144,7 +4145,6 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
   const float* sz = scale_zeros.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t group = K / G;
   std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum of x over each group
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
