@@ -3990,9 +3990,9 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // Single-k int4 panels (P, K / 2, 16) uint8: byte [p, t, j] = q[16 p + j, 2 t] | q[16 p + j, 2 t + 1] << 4 (q = 0
 // past N), with the model's (G, N, 2) float32 scales and zeros. Each group sums x * q in fp32 (q = 0..15 as
 // floats, exact), then y += s * that + (z - 8 s) * (the row's sum of x over the group): the weights
-// (q - 8) s + z, group by group, without making each weight. One row widens the nibbles in registers (two
-// panels at a time); more rows widen each panel once into fp32 q (K x 16 floats) that tiles of up to 6 rows
-// read. The same operations in the same order either way, so a row's result does not depend on the rows
+// (q - 8) s + z, group by group, without making each weight. One or two rows widen the nibbles in registers
+// (two panels at a time); more rows widen each panel once into fp32 q (K x 16 floats) that tiles of up to 6
+// rows read. The same operations in the same order either way, so a row's result does not depend on the rows
 // computed beside it.
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
@@ -4055,74 +4055,92 @@ inline void int4_store(const float (*y)[16], int64_t n0, int64_t N, float* out, 
   }
 }
 
-// One row x NR panels (from p0), the nibbles widened in registers and the group terms made there too.
-template <int NR>
-inline void int4_row_f32(const float* __restrict x, const float* __restrict xsum, const uint8_t* const* panel,
-                         const float* __restrict sz, int64_t K2, int64_t G, int64_t p0, int64_t N, float* __restrict out,
-                         const float* __restrict bias) {
+// MR rows (xs apart) x NR panels (from p0), the nibbles widened in registers and the group terms made there too;
+// running sums in y (in L1).
+template <int MR, int NR>
+inline void int4_rows_direct(const float* __restrict x, int64_t xs, const float* __restrict xsum,
+                             const uint8_t* const* panel, const float* __restrict sz, int64_t K2, int64_t G, int64_t p0,
+                             int64_t N, float* __restrict out, int64_t os, const float* __restrict bias) {
   const int64_t tpg = K2 / G;
-  __m256 y[NR][2];
-  for (int j = 0; j < NR; ++j) y[j][0] = y[j][1] = _mm256_setzero_ps();
+  alignas(32) float y[NR][MR][16] = {};
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[NR][2];
-    for (int j = 0; j < NR; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    __m256 acc[MR][NR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
     for (int64_t t = g * tpg; t < (g + 1) * tpg; ++t) {
-      const __m256 a0 = _mm256_broadcast_ss(x + 2 * t), a1 = _mm256_broadcast_ss(x + 2 * t + 1);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m256 w[4];
         int4_kpair_f32(panel[j] + t * 16, w);
-        acc[j][0] = _mm256_fmadd_ps(a0, w[0], acc[j][0]);
-        acc[j][1] = _mm256_fmadd_ps(a0, w[1], acc[j][1]);
-        acc[j][0] = _mm256_fmadd_ps(a1, w[2], acc[j][0]);
-        acc[j][1] = _mm256_fmadd_ps(a1, w[3], acc[j][1]);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+          const __m256 a0 = _mm256_broadcast_ss(x + i * xs + 2 * t), a1 = _mm256_broadcast_ss(x + i * xs + 2 * t + 1);
+          acc[i][j][0] = _mm256_fmadd_ps(a0, w[0], acc[i][j][0]);
+          acc[i][j][1] = _mm256_fmadd_ps(a0, w[1], acc[i][j][1]);
+          acc[i][j][0] = _mm256_fmadd_ps(a1, w[2], acc[i][j][0]);
+          acc[i][j][1] = _mm256_fmadd_ps(a1, w[3], acc[i][j][1]);
+        }
       }
     }
-    const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int j = 0; j < NR; ++j) {
       __m256 sv[2], zv[2];
       int4_group_terms(sz, N, g, (p0 + j) * 16, sv, zv);
-      for (int h = 0; h < 2; ++h) y[j][h] = int4_group_step(acc[j][h], sv[h], zv[h], xg, y[j][h]);
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
+        for (int h = 0; h < 2; ++h)
+          _mm256_store_ps(y[j][i] + 8 * h, int4_group_step(acc[i][j][h], sv[h], zv[h], xg, _mm256_load_ps(y[j][i] + 8 * h)));
+      }
     }
   }
-  for (int j = 0; j < NR; ++j) {
-    alignas(32) float yj[1][16];
-    _mm256_store_ps(yj[0], y[j][0]);
-    _mm256_store_ps(yj[0] + 8, y[j][1]);
-    int4_store<1>(yj, (p0 + j) * 16, N, out, 0, bias);
-  }
+  for (int j = 0; j < NR; ++j) int4_store<MR>(y[j], (p0 + j) * 16, N, out, os, bias);
 }
 
-// MR rows x one panel over its q widened to fp32 (wide: K x 16 floats), running sums kept in y (in L1).
-template <int MR>
+// MR rows x NR panels (from p0) over their q widened to fp32 (wide: NR x K x 16 floats; terms: NR x
+// int4_panel_terms), running sums kept in y (in L1).
+template <int MR, int NR>
 inline void int4_tile_f32(const float* __restrict x, int64_t xs, const float* __restrict xsum, const float* __restrict wide,
-                          const float* __restrict terms, int64_t K2, int64_t G, int64_t n0, int64_t N,
+                          const float* __restrict terms, int64_t K2, int64_t G, int64_t p0, int64_t N,
                           float* __restrict out, int64_t os, const float* __restrict bias) {
-  const int64_t tpg = K2 / G;
-  alignas(32) float y[MR][16] = {};
+  const int64_t tpg = K2 / G, K = 2 * K2;
+  alignas(32) float y[NR][MR][16] = {};
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[MR][2];
+    __m256 acc[MR][NR][2];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
     for (int64_t k = 2 * g * tpg; k < 2 * (g + 1) * tpg; ++k) {
-      const __m256 w0 = _mm256_loadu_ps(wide + k * 16), w1 = _mm256_loadu_ps(wide + k * 16 + 8);
+      __m256 w[NR][2];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        w[j][0] = _mm256_loadu_ps(wide + (j * K + k) * 16);
+        w[j][1] = _mm256_loadu_ps(wide + (j * K + k) * 16 + 8);
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m256 a = _mm256_broadcast_ss(x + i * xs + k);
-        acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) {
+          acc[i][j][0] = _mm256_fmadd_ps(a, w[j][0], acc[i][j][0]);
+          acc[i][j][1] = _mm256_fmadd_ps(a, w[j][1], acc[i][j][1]);
+        }
       }
     }
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const float* tj = terms + (j * G + g) * 32;
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
-      for (int h = 0; h < 2; ++h)
-        _mm256_store_ps(y[i] + 8 * h, int4_group_step(acc[i][h], _mm256_loadu_ps(terms + g * 32 + 8 * h),
-                                                      _mm256_loadu_ps(terms + g * 32 + 16 + 8 * h), xg,
-                                                      _mm256_load_ps(y[i] + 8 * h)));
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
+        for (int h = 0; h < 2; ++h)
+          _mm256_store_ps(y[j][i] + 8 * h, int4_group_step(acc[i][j][h], _mm256_loadu_ps(tj + 8 * h),
+                                                           _mm256_loadu_ps(tj + 16 + 8 * h), xg,
+                                                           _mm256_load_ps(y[j][i] + 8 * h)));
+      }
     }
   }
-  int4_store<MR>(y, n0, N, out, os, bias);
+  for (int j = 0; j < NR; ++j) int4_store<MR>(y[j], (p0 + j) * 16, N, out, os, bias);
 }
 
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
@@ -4162,31 +4180,41 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
     const int nr = static_cast<int>(std::min<int64_t>(kPanels, P - p0));
     const uint8_t* panel[kPanels];
     for (int j = 0; j < nr; ++j) panel[j] = wp + (p0 + j) * K2 * 16;
-    if (M == 1) {
-      if (nr == 2) {
-        int4_row_f32<2>(xp, xsum.data(), panel, sz, K2, G, p0, n, op, bp);
-      } else {
-        int4_row_f32<1>(xp, xsum.data(), panel, sz, K2, G, p0, n, op, bp);
-      }
+    if (M <= 2) {
+      const int rows = static_cast<int>(M);
+      if (rows == 2 && nr == 2) int4_rows_direct<2, 2>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 2 && nr == 1) int4_rows_direct<2, 1>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 1 && nr == 2) int4_rows_direct<1, 2>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 1 && nr == 1) int4_rows_direct<1, 1>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
       return;
     }
-    scratch.terms.resize(static_cast<size_t>(G * 32));
-    // more rows: each panel's q once as fp32 (K x 16), then tiles of up to 6 rows over it
-    scratch.wide.resize(static_cast<size_t>(K * 16));
+    // more rows: the panels' q once as fp32 (nr x K x 16), then tiles over them: up to 3 rows x both panels,
+    // 4-6 rows x one (the accumulators in 12 registers)
+    scratch.terms.resize(static_cast<size_t>(kPanels * G * 32));
+    scratch.wide.resize(static_cast<size_t>(kPanels * K * 16));
     for (int j = 0; j < nr; ++j) {
       for (int64_t t = 0; t < K2; ++t) {
         __m256 wv[4];
         int4_kpair_f32(panel[j] + t * 16, wv);
-        float* dst = scratch.wide.data() + 32 * t;
+        float* dst = scratch.wide.data() + (j * K2 + t) * 32;
         for (int u = 0; u < 4; ++u) _mm256_storeu_ps(dst + 8 * u, wv[u]);
       }
-      const int64_t n0 = (p0 + j) * 16;
-      int4_panel_terms(sz, n, G, n0, scratch.terms.data());
-      for_row_tiles(M, [&](auto mr, int64_t m) {
-        int4_tile_f32<decltype(mr)::value>(xp + m * xs, xs, xsum.data() + m * G, scratch.wide.data(),
-                                           scratch.terms.data(), K2, G, n0, n, op + m * n, n, bp);
-      });
+      int4_panel_terms(sz, n, G, (p0 + j) * 16, scratch.terms.data() + j * G * 32);
     }
+    const float* wide = scratch.wide.data();
+    const float* terms = scratch.terms.data();
+    for_row_tiles(M, [&](auto mr, int64_t m) {
+      constexpr int MR = decltype(mr)::value;
+      const float* xm = xp + m * xs;
+      const float* sm = xsum.data() + m * G;
+      float* om = op + m * n;
+      if (MR <= 3 && nr == 2) {
+        int4_tile_f32<MR, (MR <= 3 ? 2 : 1)>(xm, xs, sm, wide, terms, K2, G, p0, n, om, n, bp);
+        return;
+      }
+      for (int j = 0; j < nr; ++j)
+        int4_tile_f32<MR, 1>(xm, xs, sm, wide + j * K * 16, terms + j * G * 32, K2, G, p0 + j, n, om, n, bp);
+    });
   });
   return out;
 }
