@@ -3687,6 +3687,25 @@ void amx_linear_int4(const uint16_t* xp, int64_t xs, int64_t M, int64_t K4, cons
 }
 #endif
 
+// int4_linear's operands, checked against x (M, K): panels (P, K / per, 8 per) uint8 (per = 4 k a row of 32
+// bytes for bf16 x, 2 a row of 16 for float32 x) holding N columns, and scale_zeros (G, N, 2) in x's dtype with G
+// dividing the panel rows.
+struct Int4Shape {
+  int64_t P, steps, n, G;
+};
+Int4Shape int4_shape(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros, int64_t per) {
+  const int64_t K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 8 * per &&
+                  w.size(1) * per == K,
+              "int4_linear: w must be int4 panels (P, K / ", per, ", ", 8 * per, ") for this x");
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == x.scalar_type() &&
+                  scale_zeros.size(2) == 2 && w.size(1) % scale_zeros.size(0) == 0,
+              "int4_linear: scale_zeros (G, N, 2) in x's dtype, G dividing K / ", per);
+  const Int4Shape shape{w.size(0), w.size(1), scale_zeros.size(1), scale_zeros.size(0)};
+  TORCH_CHECK(shape.P * 16 >= shape.n && shape.P * 16 < shape.n + 16, "int4_linear: the panels do not hold N columns");
+  return shape;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
                            const std::optional<at::Tensor>& bias);
@@ -3704,14 +3723,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #endif
   }
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 32 && w.size(1) * 4 == K,
-              "int4_linear: w must be int4 panels (P, K / 4, 32) for this K");
-  const int64_t P = w.size(0), K4 = w.size(1);
-  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == at::kBFloat16 &&
-                  scale_zeros.size(2) == 2 && K4 % scale_zeros.size(0) == 0,
-              "int4_linear: scale_zeros (G, N, 2) bfloat16, G dividing K / 4");
-  const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0), tpg = K4 / G, group = K / G;
-  TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "int4_linear: the panels do not hold N columns");
+  const auto [P, K4, n, G] = int4_shape(x, w, scale_zeros, 4);
+  const int64_t tpg = K4 / G, group = K / G;
   const float* bp = bias_ptr(bias, n, "int4_linear");
   at::Tensor out = at::empty({M, n}, x.options());
 #if defined(__AVX512BF16__)
@@ -4055,12 +4068,13 @@ inline void int4_store(const float (*y)[16], int64_t n0, int64_t N, float* out, 
   }
 }
 
-// MR rows (xs apart) x NR panels (from p0), the nibbles widened in registers and the group terms made there too;
-// running sums in y (in L1).
-template <int MR, int NR>
-inline void int4_rows_direct(const float* __restrict x, int64_t xs, const float* __restrict xsum,
-                             const uint8_t* const* panel, const float* __restrict sz, int64_t K2, int64_t G, int64_t p0,
-                             int64_t N, float* __restrict out, int64_t os, const float* __restrict bias) {
+// MR rows (xs apart) x NR panels (from p0), running sums in y (in L1). src[j]: panel j's nibbles, widened here
+// k pair by k pair, or (WIDE) its q already widened to fp32 (K x 16 floats, as int4_kpair_f32 makes them);
+// terms: the panels' int4_panel_terms one after another, or nullptr to make each group's from sz here.
+template <int MR, int NR, bool WIDE>
+inline void int4_tile_f32(const float* __restrict x, int64_t xs, const float* __restrict xsum, const void* const* src,
+                          const float* __restrict terms, const float* __restrict sz, int64_t K2, int64_t G, int64_t p0,
+                          int64_t N, float* __restrict out, int64_t os, const float* __restrict bias) {
   const int64_t tpg = K2 / G;
   alignas(32) float y[NR][MR][16] = {};
   for (int64_t g = 0; g < G; ++g) {
@@ -4072,21 +4086,35 @@ inline void int4_rows_direct(const float* __restrict x, int64_t xs, const float*
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m256 w[4];
-        int4_kpair_f32(panel[j] + t * 16, w);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; ++i) {
-          const __m256 a0 = _mm256_broadcast_ss(x + i * xs + 2 * t), a1 = _mm256_broadcast_ss(x + i * xs + 2 * t + 1);
-          acc[i][j][0] = _mm256_fmadd_ps(a0, w[0], acc[i][j][0]);
-          acc[i][j][1] = _mm256_fmadd_ps(a0, w[1], acc[i][j][1]);
-          acc[i][j][0] = _mm256_fmadd_ps(a1, w[2], acc[i][j][0]);
-          acc[i][j][1] = _mm256_fmadd_ps(a1, w[3], acc[i][j][1]);
+        if constexpr (!WIDE) int4_kpair_f32(static_cast<const uint8_t*>(src[j]) + t * 16, w);
+#pragma GCC unroll 2
+        for (int kk = 0; kk < 2; ++kk) {  // k = 2t, then 2t + 1: every accumulator sums k in order
+          if constexpr (WIDE) {  // two vectors at a time: 6 rows keep 12 accumulators in registers
+            const float* wf = static_cast<const float*>(src[j]) + t * 32 + 16 * kk;
+            w[2 * kk] = _mm256_loadu_ps(wf);
+            w[2 * kk + 1] = _mm256_loadu_ps(wf + 8);
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m256 a = _mm256_broadcast_ss(x + i * xs + 2 * t + kk);
+            acc[i][j][0] = _mm256_fmadd_ps(a, w[2 * kk], acc[i][j][0]);
+            acc[i][j][1] = _mm256_fmadd_ps(a, w[2 * kk + 1], acc[i][j][1]);
+          }
         }
       }
     }
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       __m256 sv[2], zv[2];
-      int4_group_terms(sz, N, g, (p0 + j) * 16, sv, zv);
-#pragma GCC unroll 4
+      if (terms != nullptr) {
+        for (int h = 0; h < 2; ++h) {
+          sv[h] = _mm256_loadu_ps(terms + (j * G + g) * 32 + 8 * h);
+          zv[h] = _mm256_loadu_ps(terms + (j * G + g) * 32 + 16 + 8 * h);
+        }
+      } else {
+        int4_group_terms(sz, N, g, (p0 + j) * 16, sv, zv);
+      }
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
         for (int h = 0; h < 2; ++h)
@@ -4097,64 +4125,12 @@ inline void int4_rows_direct(const float* __restrict x, int64_t xs, const float*
   for (int j = 0; j < NR; ++j) int4_store<MR>(y[j], (p0 + j) * 16, N, out, os, bias);
 }
 
-// MR rows x NR panels (from p0) over their q widened to fp32 (wide: NR x K x 16 floats; terms: NR x
-// int4_panel_terms), running sums kept in y (in L1).
-template <int MR, int NR>
-inline void int4_tile_f32(const float* __restrict x, int64_t xs, const float* __restrict xsum, const float* __restrict wide,
-                          const float* __restrict terms, int64_t K2, int64_t G, int64_t p0, int64_t N,
-                          float* __restrict out, int64_t os, const float* __restrict bias) {
-  const int64_t tpg = K2 / G, K = 2 * K2;
-  alignas(32) float y[NR][MR][16] = {};
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[MR][NR][2];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
-    for (int64_t k = 2 * g * tpg; k < 2 * (g + 1) * tpg; ++k) {
-      __m256 w[NR][2];
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-        w[j][0] = _mm256_loadu_ps(wide + (j * K + k) * 16);
-        w[j][1] = _mm256_loadu_ps(wide + (j * K + k) * 16 + 8);
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m256 a = _mm256_broadcast_ss(x + i * xs + k);
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) {
-          acc[i][j][0] = _mm256_fmadd_ps(a, w[j][0], acc[i][j][0]);
-          acc[i][j][1] = _mm256_fmadd_ps(a, w[j][1], acc[i][j][1]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {
-      const float* tj = terms + (j * G + g) * 32;
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xg = _mm256_broadcast_ss(xsum + i * G + g);
-        for (int h = 0; h < 2; ++h)
-          _mm256_store_ps(y[j][i] + 8 * h, int4_group_step(acc[i][j][h], _mm256_loadu_ps(tj + 8 * h),
-                                                           _mm256_loadu_ps(tj + 16 + 8 * h), xg,
-                                                           _mm256_load_ps(y[j][i] + 8 * h)));
-      }
-    }
-  }
-  for (int j = 0; j < NR; ++j) int4_store<MR>(y[j], (p0 + j) * 16, N, out, os, bias);
-}
-
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
                            const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(1) * 2 == K,
-              "int4_linear: float32 x needs single-k int4 panels (P, K / 2, 16) for this K");
-  const int64_t P = w.size(0), K2 = w.size(1);
-  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == at::kFloat &&
-                  scale_zeros.size(2) == 2 && K2 % scale_zeros.size(0) == 0,
-              "int4_linear: float32 x needs scale_zeros (G, N, 2) float32, G dividing K / 2");
-  const int64_t n = scale_zeros.size(1), G = scale_zeros.size(0), group = K / G;
+  const auto [P, K2, n, G] = int4_shape(x, w, scale_zeros, 2);
+  const int64_t group = K / G;
   TORCH_CHECK(group % 8 == 0, "int4_linear: float32 x needs groups of a multiple of 8 inputs");
-  TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "int4_linear: the panels do not hold N columns");
   const float* bp = bias_ptr(bias, n, "int4_linear");
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
@@ -4178,30 +4154,31 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
   parallel_stealing<Scratch>((P + kPanels - 1) / kPanels, [&](Scratch& scratch, int64_t item, int64_t) {
     const int64_t p0 = item * kPanels;
     const int nr = static_cast<int>(std::min<int64_t>(kPanels, P - p0));
-    const uint8_t* panel[kPanels];
+    const void* panel[kPanels];
     for (int j = 0; j < nr; ++j) panel[j] = wp + (p0 + j) * K2 * 16;
-    if (M <= 2) {
+    if (M <= 2) {  // widened in registers, the group terms made per group
       const int rows = static_cast<int>(M);
-      if (rows == 2 && nr == 2) int4_rows_direct<2, 2>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
-      if (rows == 2 && nr == 1) int4_rows_direct<2, 1>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
-      if (rows == 1 && nr == 2) int4_rows_direct<1, 2>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
-      if (rows == 1 && nr == 1) int4_rows_direct<1, 1>(xp, xs, xsum.data(), panel, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 2 && nr == 2) int4_tile_f32<2, 2, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 2 && nr == 1) int4_tile_f32<2, 1, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 1 && nr == 2) int4_tile_f32<1, 2, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
+      if (rows == 1 && nr == 1) int4_tile_f32<1, 1, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
       return;
     }
-    // more rows: the panels' q once as fp32 (nr x K x 16), then tiles over them: up to 3 rows x both panels,
-    // 4-6 rows x one (the accumulators in 12 registers)
+    // more rows: the panels' q once as fp32 (nr x K x 16) and their terms, then tiles over them: up to 3 rows x
+    // both panels, 4-6 rows x one (the accumulators in 12 registers)
     scratch.terms.resize(static_cast<size_t>(kPanels * G * 32));
     scratch.wide.resize(static_cast<size_t>(kPanels * K * 16));
+    const void* wide[kPanels];
     for (int j = 0; j < nr; ++j) {
+      float* dst = scratch.wide.data() + j * K * 16;
       for (int64_t t = 0; t < K2; ++t) {
         __m256 wv[4];
-        int4_kpair_f32(panel[j] + t * 16, wv);
-        float* dst = scratch.wide.data() + (j * K2 + t) * 32;
-        for (int u = 0; u < 4; ++u) _mm256_storeu_ps(dst + 8 * u, wv[u]);
+        int4_kpair_f32(static_cast<const uint8_t*>(panel[j]) + t * 16, wv);
+        for (int u = 0; u < 4; ++u) _mm256_storeu_ps(dst + 32 * t + 8 * u, wv[u]);
       }
+      wide[j] = dst;
       int4_panel_terms(sz, n, G, (p0 + j) * 16, scratch.terms.data() + j * G * 32);
     }
-    const float* wide = scratch.wide.data();
     const float* terms = scratch.terms.data();
     for_row_tiles(M, [&](auto mr, int64_t m) {
       constexpr int MR = decltype(mr)::value;
@@ -4209,11 +4186,11 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
       const float* sm = xsum.data() + m * G;
       float* om = op + m * n;
       if (MR <= 3 && nr == 2) {
-        int4_tile_f32<MR, (MR <= 3 ? 2 : 1)>(xm, xs, sm, wide, terms, K2, G, p0, n, om, n, bp);
+        int4_tile_f32<MR, (MR <= 3 ? 2 : 1), true>(xm, xs, sm, wide, terms, sz, K2, G, p0, n, om, n, bp);
         return;
       }
       for (int j = 0; j < nr; ++j)
-        int4_tile_f32<MR, 1>(xm, xs, sm, wide + j * K * 16, terms + j * G * 32, K2, G, p0 + j, n, om, n, bp);
+        int4_tile_f32<MR, 1, true>(xm, xs, sm, wide + j, terms + j * G * 32, sz, K2, G, p0 + j, n, om, n, bp);
     });
   });
   return out;
