@@ -438,12 +438,13 @@ def test_set_amx_reports_whether_the_tiles_run(ops, amx_off):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(96, 64, 32), (40, 128, 64), (600, 256, 128), (72, 64, 64)])
 def test_int4_panels_equal_the_dequantized_product(ops, m, n, k, group_size, dtype):
-    """Streaming tiles (bf16: 1-2 rows x 4 panels, 3-6 rows x 2; float32: 1-2 rows), the widened path (more
-    rows), N not a multiple of 16, every group size, with a bias: the fp32 product over the dequantized
-    weights, rounded once to x's dtype. float32 activations read single-k panels (the AVX2 kernel)."""
+    """Streaming tiles (bf16: 1-2 rows x 4 panels, 3-6 rows x 2; float32: 1-2 rows x 2 panels, 3-4 rows x 1),
+    the widened path (more rows), N not a multiple of 16, every group size, with a bias: the fp32 product
+    over the dequantized weights, rounded once to x's dtype. float32 activations read single-k panels (the
+    AVX2 kernel)."""
     from kernels.quant import dequantize, int4_values, linear, place, quantize_int4
 
     if dtype == torch.bfloat16:
