@@ -3723,8 +3723,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #endif
   }
   const int64_t M = x.size(0), K = x.size(1);
-  const auto [P, K4, n, G] = int4_shape(x, w, scale_zeros, 4);
-  const int64_t tpg = K4 / G, group = K / G;
+  const Int4Shape shape = int4_shape(x, w, scale_zeros, 4);  // named, not bound: the lambdas below read them
+  const int64_t P = shape.P, K4 = shape.steps, n = shape.n, G = shape.G, tpg = K4 / G, group = K / G;
   const float* bp = bias_ptr(bias, n, "int4_linear");
   at::Tensor out = at::empty({M, n}, x.options());
 #if defined(__AVX512BF16__)
@@ -4128,8 +4128,8 @@ inline void int4_tile_f32(const float* __restrict x, int64_t xs, const float* __
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
                            const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
-  const auto [P, K2, n, G] = int4_shape(x, w, scale_zeros, 2);
-  const int64_t group = K / G;
+  const Int4Shape shape = int4_shape(x, w, scale_zeros, 2);
+  const int64_t P = shape.P, K2 = shape.steps, n = shape.n, G = shape.G, group = K / G;
   TORCH_CHECK(group % 8 == 0, "int4_linear: float32 x needs groups of a multiple of 8 inputs");
   const float* bp = bias_ptr(bias, n, "int4_linear");
   at::Tensor out = at::empty({M, n}, x.options());
@@ -4160,16 +4160,24 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
     const void* panel[kPanels];
     for (int j = 0; j < nr; ++j) panel[j] = wp + (p0 + j) * K2 * 16;
     if (M <= kDirectRows) {  // widened in registers, the group terms made per group
-      const int rows = static_cast<int>(M);
-      if (rows == 2 && nr == 2) int4_tile_f32<2, 2, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
-      if (rows == 2 && nr == 1) int4_tile_f32<2, 1, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
-      if (rows == 1 && nr == 2) int4_tile_f32<1, 2, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
-      if (rows == 1 && nr == 1) int4_tile_f32<1, 1, false>(xp, xs, xsum.data(), panel, nullptr, sz, K2, G, p0, n, op, n, bp);
-      if (rows >= 3)  // one panel at a time: 4 rows keep 8 accumulators and the k pair's 4 vectors in registers
-        for (int j = 0; j < nr; ++j) {
-          if (rows == 3) int4_tile_f32<3, 1, false>(xp, xs, xsum.data(), panel + j, nullptr, sz, K2, G, p0 + j, n, op, n, bp);
-          if (rows == 4) int4_tile_f32<4, 1, false>(xp, xs, xsum.data(), panel + j, nullptr, sz, K2, G, p0 + j, n, op, n, bp);
+      auto direct = [&](auto mr, auto panels, const void* const* src, int64_t first) {
+        int4_tile_f32<decltype(mr)::value, decltype(panels)::value, false>(xp, xs, xsum.data(), src, nullptr, sz, K2, G,
+                                                                           first, n, op, n, bp);
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      if (M <= 2 && nr == 2) {  // both panels of the item at once
+        M == 2 ? direct(Two{}, Two{}, panel, p0) : direct(One{}, Two{}, panel, p0);
+        return;
+      }
+      for (int j = 0; j < nr; ++j) {  // one panel at a time: 4 rows keep 8 accumulators and 4 weight vectors
+        switch (M) {
+          case 1: direct(One{}, One{}, panel + j, p0 + j); break;
+          case 2: direct(Two{}, One{}, panel + j, p0 + j); break;
+          case 3: direct(std::integral_constant<int, 3>{}, One{}, panel + j, p0 + j); break;
+          default: direct(std::integral_constant<int, 4>{}, One{}, panel + j, p0 + j); break;
         }
+      }
       return;
     }
     // more rows: the panels' q once as fp32 (nr x K x 16) and their terms, then tiles over them: up to 3 rows x
@@ -4193,9 +4201,11 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
       const float* xm = xp + m * xs;
       const float* sm = xsum.data() + m * G;
       float* om = op + m * n;
-      if (MR <= 3 && nr == 2) {
-        int4_tile_f32<MR, (MR <= 3 ? 2 : 1), true>(xm, xs, sm, wide, terms, sz, K2, G, p0, n, om, n, bp);
-        return;
+      if constexpr (MR <= 3) {
+        if (nr == 2) {
+          int4_tile_f32<MR, 2, true>(xm, xs, sm, wide, terms, sz, K2, G, p0, n, om, n, bp);
+          return;
+        }
       }
       for (int j = 0; j < nr; ++j)
         int4_tile_f32<MR, 1, true>(xm, xs, sm, wide + j, terms + j * G * 32, sz, K2, G, p0 + j, n, om, n, bp);

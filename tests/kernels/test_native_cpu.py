@@ -395,9 +395,8 @@ def test_amx_tiles_equal_the_avx512_tiles(ops, m, n, k):
 def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
     """The fused gate/up op is silu_mul of the same kernel's product, bit for bit, for every weight kind the
     decode layer takes (bf16, fp32, int8, int4 panels, w8a8 quads, the quantized kinds with bf16 or float32
-    activations): on AMX tiles (bf16 panels and w8a8 quads)
-    its epilogue rounds the gate and up sums to bf16 as the product's store does, then runs silu_mul's
-    operations; elsewhere the two ops run in turn. I = 48 (three 16-column panels per half), K = 128."""
+    activations): on AMX tiles (bf16 panels and w8a8 quads) its epilogue rounds the gate and up sums to bf16
+    as the product's store does, then runs silu_mul's operations; elsewhere the two ops run in turn. I = 48 (three 16-column panels per half), K = 128."""
     from engine.models.llama import _native_operands
     from kernels.quant import linear, place, quantize_int4, quantize_int8
 
