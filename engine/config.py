@@ -23,7 +23,7 @@ from wire.checkpoint import (  # noqa: F401  (re-exported: the engine's public c
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8")
 KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}  # besides "auto", the compute dtype
 
 
@@ -50,9 +50,10 @@ class EngineConfig:
     seed: int = 0
     # Quantization at load (engine.quantization): weight-only "int8" (per output channel) or "int4"
     # (group-wise), or "w8a8" (int8 weights per output channel, activations rounded to int8 per token at
-    # each projection); "none". A GPTQ checkpoint runs as int4 either way.
+    # each projection), or "w4a8" (int4 weights as int4's, activations as w8a8's); "none". A GPTQ checkpoint
+    # runs as int4 (or w4a8, when asked) either way.
     quantization: str = "none"
-    quantization_group_size: int | None = None  # int4 only; None: the largest of 128/64/32 that fits the model
+    quantization_group_size: int | None = None  # int4/w4a8 only; None: the largest of 128/64/32 that fits the model
     # Decode steps through fixed-size buckets with persistent inputs (engine.decode_graph), replayed as CUDA
     # graphs on a GPU. None: on for CUDA, off on the CPU (no launch overhead to save there; measured).
     decode_graphs: bool | None = None
@@ -83,8 +84,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization_group_size is not None and (
-                self.quantization != "int4" or self.quantization_group_size not in INT4_GROUP_SIZES):
-            raise ValueError(f"quantization_group_size applies to int4 only and must be one of "
+                self.quantization not in ("int4", "w4a8") or self.quantization_group_size not in INT4_GROUP_SIZES):
+            raise ValueError(f"quantization_group_size applies to int4 and w4a8 only and must be one of "
                              f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quantization_group_size}")
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
@@ -110,18 +111,22 @@ class EngineConfig:
         return cache
 
     def _quantized_reads_float32(self, model_config: ModelConfig) -> bool:
-        """On a CPU without native bf16: whether the native kernels of this quantization (int8, w8a8, int4, and
-        a GPTQ checkpoint's int4) read float32 activations here (kernels.native_cpu; AVX2 builds). Elsewhere
-        quantized weights take bf16 activations (torch's packed kernels; fp32 ones would dequantize every step)."""
-        method = "int4" if "quantization_config" in model_config.raw else self.quantization  # GPTQ: 4-bit only
-        if method not in ("int8", "w8a8", "int4") or default_cpu_dtype() is not torch.float32:
+        """On a CPU without native bf16: whether the native kernels of this quantization (int8, w8a8, int4, w4a8,
+        and a GPTQ checkpoint's int4 or w4a8) read float32 activations here (kernels.native_cpu; AVX2 builds).
+        Elsewhere quantized weights take bf16 activations (torch's packed kernels; fp32 ones would dequantize
+        every step)."""
+        method = self.quantization
+        if "quantization_config" in model_config.raw and method != "w4a8":  # GPTQ: 4-bit only
+            method = "int4"
+        if method not in ("int8", "w8a8", "int4", "w4a8") or default_cpu_dtype() is not torch.float32:
             return False
         from kernels import native_cpu  # builds the ops once per machine (the engine loads them anyway)
 
         ops = native_cpu.ops()
         if ops is None:
             return False
-        has = {"int8": ops.has_int8_linear_f32, "w8a8": ops.has_w8a8_linear_f32, "int4": ops.has_int4_linear_f32}
+        has = {"int8": ops.has_int8_linear_f32, "w8a8": ops.has_w8a8_linear_f32, "int4": ops.has_int4_linear_f32,
+               "w4a8": ops.has_w4a8_linear}
         return bool(has[method]())
 
     def dtype_reason(self, model_config: ModelConfig) -> str:

@@ -7,9 +7,11 @@ in kernels.quant.
 
 - `--quantization int8 | int4` quantizes a full-precision checkpoint tensor by tensor as it is read
   (weight-only: the activations stay in their dtype); `w8a8` quantizes the weights as int8 does and has
-  every projection round its input rows to int8 (per token, dynamic scales) for int8 x int8 products.
+  every projection round its input rows to int8 (per token, dynamic scales) for int8 x int8 products;
+  `w4a8` quantizes the weights as int4 does and rounds the inputs as w8a8 does (int4 x int8 products).
 - A checkpoint whose config.json carries a GPTQ `quantization_config` (4-bit, groups in k order) loads as
-  int4 whatever `--quantization` says (none or int4), its qweight/qzeros/scales repacked for the device.
+  int4 whatever `--quantization` says (none or int4; w4a8 keeps its weights and rounds the inputs), its
+  qweight/qzeros/scales repacked for the device.
   Every other variant is refused with one line naming what is unsupported.
 """
 
@@ -39,8 +41,8 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus one; v2 st
 class QuantizationSpec:
     """How this model's linear weights are held. `source`: quantized here at load, or read from GPTQ."""
 
-    method: Literal["int8", "int4", "w8a8"]  # w8a8: int8 weights, activations rounded to int8 per token
-    group_size: int | None  # int4: per group of in_features; None for int8 and w8a8 (per output channel)
+    method: Literal["int8", "int4", "w8a8", "w4a8"]  # w8a8/w4a8: activations rounded to int8 per token
+    group_size: int | None  # int4/w4a8: per group of in_features; None for int8 and w8a8 (per output channel)
     source: Literal["load", "gptq"] = "load"
     checkpoint_format: str = "gptq"  # GPTQ only
 
@@ -61,6 +63,7 @@ def resolve(config: EngineConfig, model_config: ModelConfig) -> QuantizationSpec
         return QuantizationSpec("int8", None)
     if config.quantization == "w8a8":
         return QuantizationSpec("w8a8", None)
+    method: Literal["int4", "w4a8"] = "w4a8" if config.quantization == "w4a8" else "int4"
     features = sorted({model_config.hidden_size, model_config.q_size, model_config.intermediate_size})
     if config.quantization_group_size is not None:
         bad = [k for k in features if k % config.quantization_group_size]
@@ -68,11 +71,11 @@ def resolve(config: EngineConfig, model_config: ModelConfig) -> QuantizationSpec
             fits = [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in features)]
             raise CheckpointError(f"int4 group size {config.quantization_group_size} does not divide in_features "
                                   f"{bad[0]} of this model (group sizes that fit: {fits or 'none'})")
-        return QuantizationSpec("int4", config.quantization_group_size)
+        return QuantizationSpec(method, config.quantization_group_size)
     fitting = [g for g in DEFAULT_INT4_GROUP_SIZES if all(k % g == 0 for k in features)]
     if not fitting:
-        raise CheckpointError(f"int4 needs in_features divisible by 32; this model has {features}")
-    return QuantizationSpec("int4", fitting[0])
+        raise CheckpointError(f"{method} needs in_features divisible by 32; this model has {features}")
+    return QuantizationSpec(method, fitting[0])
 
 
 def is_linear_weight(name: str, cfg: ModelConfig) -> bool:
@@ -89,7 +92,7 @@ def quantize(weight: torch.Tensor, spec: QuantizationSpec, dtype: torch.dtype) -
     group = spec.group_size
     if group is None or weight.shape[1] % group:  # an untied lm_head over hidden: the default always fits
         raise CheckpointError(f"int4 group size {group} does not divide in_features {weight.shape[1]}")
-    return quantize_int4(weight, group, dtype)
+    return quantize_int4(weight, group, dtype, "int8" if spec.method == "w4a8" else "float")
 
 
 def read_gptq(get: Callable[[str], torch.Tensor], prefix: str, shape: tuple[int, ...], spec: QuantizationSpec,
@@ -130,7 +133,7 @@ def read_gptq(get: Callable[[str], torch.Tensor], prefix: str, shape: tuple[int,
     repeat = group // inner
     s, z = s.repeat_interleave(repeat, dim=0), z.repeat_interleave(repeat, dim=0)
     zeros = ((8 - z) * s).to(dtype)
-    return int4_from_values(q.T.contiguous(), s.to(dtype), zeros, inner)
+    return int4_from_values(q.T.contiguous(), s.to(dtype), zeros, inner, "int8" if spec.method == "w4a8" else "float")
 
 
 def _resolve_gptq(qc: Any, config: EngineConfig) -> QuantizationSpec:
@@ -157,12 +160,12 @@ def _resolve_gptq(qc: Any, config: EngineConfig) -> QuantizationSpec:
                               "multiple of 32)")
     if config.quantization in ("int8", "w8a8"):
         raise CheckpointError(f"{config.model}: a 4-bit GPTQ checkpoint cannot run as {config.quantization}; use "
-                              "--quantization none or int4")
+                              "--quantization none, int4 or w4a8")
     if config.quantization_group_size is not None and config.quantization_group_size != group:
         raise CheckpointError(f"{config.model}: the GPTQ checkpoint has group size {group}, not "
                               f"{config.quantization_group_size}")
     # desc_act=true alone is fine when the stored g_idx keeps groups in k order; read_gptq checks each layer.
-    return QuantizationSpec("int4", group, "gptq", fmt)
+    return QuantizationSpec("w4a8" if config.quantization == "w4a8" else "int4", group, "gptq", fmt)
 
 
 def _unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:

@@ -88,12 +88,13 @@ _F32_LINEAR: Any = None
 _INT8_LINEAR: Any = None
 _INT4_LINEAR: Any = None
 _W8A8_LINEAR: Any = None
+_W4A8_LINEAR: Any = None
 
 
 def _bind(ops: Any) -> None:
-    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR, _INT4_LINEAR, _W8A8_LINEAR
+    global _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR, _INT4_LINEAR, _W8A8_LINEAR, _W4A8_LINEAR
     _BF16_LINEAR, _F32_LINEAR, _INT8_LINEAR = ops.bf16_linear.default, ops.f32_linear.default, ops.int8_linear.default
-    _W8A8_LINEAR = ops.w8a8_linear.default
+    _W8A8_LINEAR, _W4A8_LINEAR = ops.w8a8_linear.default, ops.w4a8_linear.default
     _INT4_LINEAR = ops.int4_linear.default
 
 
@@ -172,6 +173,21 @@ def can_pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> bool:
     return True
 
 
+def can_pack_w4a8(k: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether int4 weights of K inputs with int8 activations and scales in `dtype` (bf16 or float32) go to
+    the native int4 quads (kernels.quant_cpu.pack_int4_quads): groups of a multiple of 32 inputs, prepacking
+    on and the native AVX2 kernel built (`w4a8_linear`)."""
+    if dtype not in (torch.bfloat16, torch.float32) or k % group_size or group_size % 32:
+        return False
+    if os.environ.get(PREPACK_ENV, "1") == "0":
+        return False
+    ops = native_cpu.available_for(torch.empty(0, k, dtype=dtype))
+    if ops is None or not ops.has_w4a8_linear():
+        return False
+    _bind(ops)
+    return True
+
+
 def quads(q: torch.Tensor) -> torch.Tensor:
     """(N, K) int8 -> (P, K / 4, 16, 4) uint8 of q + 128, 128 (q = 0) past N: 16 columns x 4 consecutive k
     per 64-byte load, the unsigned operand of VPDPBUSD."""
@@ -223,6 +239,19 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     assert _W8A8_LINEAR is not None, "quads are only made where the native ops run"
     x2, b = _rows(x, qweight.shape[1] * 4), _bias(bias)
     return _W8A8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
+
+
+def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias over int4 quads (kernels.quant_cpu.pack_int4_quads) with their (G, N, 2) scales and
+    zeros in x's dtype (bf16 or float32), x rounded to int8 per row here (kernels.quant.round_rows_int8):
+    exact int32 sums of q * qx for each 16 inputs, then fp32 as in the kernel's comment, y in x's dtype.
+
+    Semantics: the reference is kernels.quant.linear_ref of an int8-activation Int4Weight.
+    """
+    assert _W4A8_LINEAR is not None, "int4 quads are only made where the native ops run"
+    x2, b = _rows(x, qweight.shape[1] * 16), _bias(bias)
+    return _W4A8_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,

@@ -45,9 +45,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         x: (T, K) activation dtype, bias: (N,) or None -> y: (T, N) in x's dtype. A quantized W is read in
         x's dtype (on the CPU, bf16 activations use torch's packed int8/int4 kernels or a bf16 dequantized
         copy; fp32 and fp16 a dequantized copy in their dtype; on CUDA the Triton kernel sums in fp32), so y
-        agrees with `linear_ref` to that dtype's rounding. An int8 W with int8 activations (W8A8) reads
-        x rounded to int8 per row instead (kernels.quant_weights.Int8Weight; the CPU's VNNI kernel on
-        quads, else the rounded rows through the weight-only path).
+        agrees with `linear_ref` to that dtype's rounding. An int8 or int4 W with int8 activations (W8A8,
+        W4A8) reads x rounded to int8 per row instead (kernels.quant_weights; the CPU's native integer
+        kernels on quads, else the rounded rows through the weight-only path).
     """
     if isinstance(w, PackedDense):
         return dense_cpu.linear(x, w, bias)
@@ -55,8 +55,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w, bias)
     if x.dtype != _scales(w).dtype:
         raise ValueError(f"x is {x.dtype} but the quantized weight's scales are {_scales(w).dtype}")
-    if isinstance(w, Int8Weight) and w.activations == "int8" and w.layout != "quads":
-        # No int8 x int8 kernel for this layout: the rounded rows (integers, exact in any float dtype)
+    if w.activations == "int8" and w.layout != "quads":
+        # No integer kernel for this layout: the rounded rows (integers, exact in any float dtype)
         # through the weight-only kernel, then each row's scale.
         qx, sx = round_rows_int8(x)
         y = _weight_only(qx.to(x.dtype), dataclasses.replace(w, activations="float"), None).float() * sx[..., None]
@@ -79,6 +79,12 @@ def linear_ref(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = 
         qx, sx = round_rows_int8(x)
         acc = (qx.double() @ int8_rows(w).double().T).float()
         y = acc * (sx[:, None] * w.scales.float()[None, :])
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+    if w.activations == "int8":
+        qx, sx = round_rows_int8(x)
+        y = (qx.double() @ dequantize(w, torch.float64).T).float() * sx[:, None]
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
@@ -120,6 +126,8 @@ def int4_values(w: Int4Weight) -> torch.Tensor:
         return quant_cpu.unpack_int4(w.qweight, w.shape[0], w.shape[1]).T
     if w.layout == "panels":
         return quant_cpu.unpack_int4_panels(w.qweight, w.shape[0])
+    if w.layout == "quads":
+        return quant_cpu.unpack_int4_quads(w.qweight, w.shape[0])
     return nibble_values(w.qweight)
 
 
@@ -132,8 +140,10 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype, activations: Literal["flo
     return Int8Weight(q, scales, activations=activations)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> Int4Weight:
-    """Round (N, K) w to int4 per group of `group_size` inputs (min-max, asymmetric), nibbles layout.
+def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype,
+                  activations: Literal["float", "int8"] = "float") -> Int4Weight:
+    """Round (N, K) w to int4 per group of `group_size` inputs (min-max, asymmetric), nibbles layout;
+    `activations`: what the product reads x as (kernels.quant_weights.Int4Weight).
 
     Each group's [min, max] maps onto 0..15: scale = (max - min) / 15, zero = min + 8 * scale, both stored
     in `dtype`; q = round((w - zero) / scale) + 8 against the stored (rounded) scale and zero.
@@ -145,10 +155,11 @@ def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> Int4W
     scales = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float16).tiny).to(dtype)
     zeros = (lo + 8 * scales.float()).to(dtype)
     q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]) + 8
-    return int4_from_values(q.clamp(0, 15).to(torch.uint8).view(n, k), scales.T, zeros.T, group_size)
+    return int4_from_values(q.clamp(0, 15).to(torch.uint8).view(n, k), scales.T, zeros.T, group_size, activations)
 
 
-def int4_from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Weight:
+def int4_from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     activations: Literal["float", "int8"] = "float") -> Int4Weight:
     """An Int4Weight (nibbles layout) from values q (N, K) in 0..15 and scales, zeros (K / group_size, N)."""
     n, k = q.shape
     _check_group(k, group_size)
@@ -157,7 +168,8 @@ def int4_from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                          f"with group size {group_size}")
     q = q.to(torch.uint8)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)  # (N, K / 2)
-    return Int4Weight(packed.contiguous(), torch.stack([scales, zeros], dim=-1).contiguous(), group_size)
+    return Int4Weight(packed.contiguous(), torch.stack([scales, zeros], dim=-1).contiguous(), group_size,
+                      activations=activations)
 
 
 def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -167,9 +179,9 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
         return Int8Weight(torch.cat([w.qweight for w in int8]), torch.cat([w.scales for w in int8]),
                           activations=int8[0].activations)
     int4 = [w for w in weights if isinstance(w, Int4Weight) and w.layout == "nibbles"]
-    if len(int4) == len(weights) and len({w.group_size for w in int4}) == 1:
+    if len(int4) == len(weights) and len({(w.group_size, w.activations) for w in int4}) == 1:
         return Int4Weight(torch.cat([w.qweight for w in int4]), torch.cat([w.scale_zeros for w in int4], 1),
-                          int4[0].group_size)
+                          int4[0].group_size, activations=int4[0].activations)
     raise ValueError("only quantized weights of one kind, group size and nibbles layout can be fused")
 
 
@@ -180,7 +192,9 @@ def place(w: Weight, device: torch.device | str) -> Weight:
     kernels run;
     else int4 goes to torch's CPU layout where that kernel exists and N is a multiple of 16 (else it stays
     in nibbles and is dequantized per call). int8 with int8 activations goes to the native quads where a
-    native int8 x int8 kernel reads the scales' dtype (VNNI, AVX2), else stays in rows."""
+    native int8 x int8 kernel reads the scales' dtype (VNNI, AVX2), else stays in rows; int4 with int8
+    activations to the native int4 quads where the AVX2 int4 x int8 kernel runs, else as weight-only int4
+    (its rounded rows run through that path: `linear`)."""
     device = torch.device(device)
     if isinstance(w, PackedDense):
         w = dense_cpu.unpack(w)
@@ -195,16 +209,24 @@ def place(w: Weight, device: torch.device | str) -> Weight:
             pairs = w.scales.dtype == torch.bfloat16  # fp32 activations read single-k panels
             return Int8Weight(dense_cpu.panel(q, pairs), w.scales.contiguous(), "panels")
         return Int8Weight(q, w.scales.to(device), activations=w.activations)
-    if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4_panels(w):
+    if w.layout == "quads":  # back to the host form first; it may go to other quads or another layout
+        w = int4_from_values(int4_values(w), w.scale_zeros[..., 0], w.scale_zeros[..., 1], w.group_size,
+                             w.activations)
+    cpu = device.type == "cpu" and w.layout == "nibbles"
+    if cpu and w.activations == "int8" and dense_cpu.can_pack_w4a8(w.shape[1], w.group_size, w.scale_zeros.dtype):
+        return Int4Weight(quant_cpu.pack_int4_quads(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
+                          "quads", "int8")
+    if cpu and quant_cpu.can_pack_int4_panels(w):
         single_k = w.scale_zeros.dtype == torch.float32  # float32 activations read single-k panels
         return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w), single_k), w.scale_zeros.contiguous(),
-                          w.group_size, "panels")
-    if device.type == "cpu" and w.layout == "nibbles" and quant_cpu.can_pack_int4(w.shape[0]):
+                          w.group_size, "panels", w.activations)
+    if cpu and quant_cpu.can_pack_int4(w.shape[0]):
         return Int4Weight(quant_cpu.pack_int4(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
-                          "cpu_int4pack")
+                          "cpu_int4pack", w.activations)
     if device.type != "cpu" and w.layout != "nibbles":
-        w = int4_from_values(int4_values(w), w.scale_zeros[..., 0], w.scale_zeros[..., 1], w.group_size)
-    return Int4Weight(w.qweight.to(device), w.scale_zeros.to(device), w.group_size, w.layout)
+        w = int4_from_values(int4_values(w), w.scale_zeros[..., 0], w.scale_zeros[..., 1], w.group_size,
+                             w.activations)
+    return Int4Weight(w.qweight.to(device), w.scale_zeros.to(device), w.group_size, w.layout, w.activations)
 
 
 def nbytes(w: Weight) -> int:

@@ -16,7 +16,7 @@ model's shapes, torch 2.13):
 
 Where the native kernels are built (kernels.dense_cpu), weights placed into their panels skip all of the
 above: int8 and int4 panels for bf16 activations (AVX512-BF16), single-k int8 and int4 panels for float32
-activations (AVX2), int8 quads for w8a8.
+activations (AVX2), int8 quads for w8a8, int4 quads for w4a8 (AVX2).
 
 torch's int4 layout is blocked (64 rows per block with AVX-512, 32 otherwise; the pairing of rows in a byte
 depends on the CPU capability), so `unpack_int4` reads it back through the row order it probes from the
@@ -54,6 +54,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
         if bf16 and HAS_INT8_MM and tokens <= INT8_PACKED_MAX_TOKENS:
             return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)
         return F.linear(x, w.qweight.to(x.dtype) * w.scales[:, None], bias)
+    if w.layout == "quads":  # int8 activations, where the native kernel runs (kernels.quant.place)
+        return dense_cpu.w4a8_linear(x, w.qweight, w.scale_zeros, bias)
     if w.layout == "panels":  # made for the scales' dtype (kernels.quant.place)
         return dense_cpu.int4_linear(x, w.qweight, w.scale_zeros, bias)
     if bf16 and w.layout == "cpu_int4pack" and tokens <= INT4_PACKED_MAX_TOKENS:
@@ -94,6 +96,25 @@ def pack_int4_panels(q: torch.Tensor, single_k: bool = False) -> torch.Tensor:
         return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
     pairs = padded.view(panels, dense_cpu.PANEL, k // 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(panels, k // 4, 2, 32)
     return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+
+
+def pack_int4_quads(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in 0..15 -> the native int4 x int8 kernel's quads (kernels.quant_weights, layout
+    "quads"), (P, K / 16, 4, 32): byte [p, k // 16, k % 16 // 4, 4 c + k % 4] = q[16 p + c, k] | q[16 p + 8 + c,
+    k] << 4 for c in 0..7, zero past N."""
+    n, k = q.shape
+    panels = -(-n // dense_cpu.PANEL)
+    padded = torch.zeros(panels * dense_cpu.PANEL, k, dtype=torch.uint8)
+    padded[:n] = q
+    halves = padded.view(panels, 2, 8, k // 4, 4).permute(0, 3, 1, 2, 4).reshape(panels, k // 4, 2, 32)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(panels, k // 16, 4, 32).contiguous()
+
+
+def unpack_int4_quads(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The (N, K) values of `pack_int4_quads`'s quads."""
+    panels, blocks = packed.shape[:2]
+    halves = torch.stack([packed & 15, packed >> 4], dim=3).view(panels, blocks * 4, 2, 8, 4)  # (P, K / 4, 2, 8, 4)
+    return halves.permute(0, 2, 3, 1, 4).reshape(panels * dense_cpu.PANEL, blocks * 16)[:n].contiguous()
 
 
 def unpack_int4_panels(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-Int4Layout = Literal["nibbles", "cpu_int4pack", "panels"]
+Int4Layout = Literal["nibbles", "cpu_int4pack", "panels", "quads"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,11 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """int4 group-wise (asymmetric). `layout` says how qweight holds the 4-bit values q[n, k]:
+    """int4 group-wise (asymmetric). `activations` says what the product reads x as, as for Int8Weight:
+    "float" (weight-only) or "int8" (x rounded to int8 per row at each call, W4A8:
+    y[t, n] = sx[t] * sum_k round(x[t, k] / sx[t]) * W[n, k], kernels.quant.linear_ref).
+
+    `layout` says how qweight holds the 4-bit values q[n, k]:
 
     "nibbles":      (N, K / 2) uint8, byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4. Host form, and CUDA's.
     "cpu_int4pack": (N, K / 2) uint8 in the blocked layout of torch's `_convert_weight_to_int4pack_for_cpu`
@@ -73,17 +77,27 @@ class Int4Weight:
                     nibble) and of k-pair 2t + 1 (high nibble), each k-pair's 32 elements in kernels.dense_cpu's
                     bf16 panel order; float32, single k (ceil(N / 16), K / 2, 16): byte [p, t, j] holds
                     q[16 p + j, 2t] (low nibble) and q[16 p + j, 2t + 1] (high).
+    "quads":        (ceil(N / 16), K / 16, 4, 32) uint8, byte e of [p, b, t] holds q[16 p + e // 4, 16 b + 4 t +
+                    e % 4] (low nibble) and q[16 p + 8 + e // 4, the same k] (high), zero past N: the CPU's
+                    native int4 x int8 kernel (AVX2), int8 activations only.
     """
 
     qweight: torch.Tensor
     scale_zeros: torch.Tensor  # (K / group_size, N, 2) activation dtype: [..., 0] scale, [..., 1] zero
     group_size: int
     layout: Int4Layout = "nibbles"
+    activations: Literal["float", "int8"] = "float"
+
+    def __post_init__(self) -> None:
+        if self.layout == "quads" and self.activations != "int8":
+            raise ValueError("the int4 quads layout is read with int8 activations only")
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.layout == "panels":  # k-pair panels hold 4 k a byte row of 32, single-k panels 2 in one of 16
             return (self.scale_zeros.shape[1], (2 if self.qweight.shape[2] == 16 else 4) * self.qweight.shape[1])
+        if self.layout == "quads":
+            return (self.scale_zeros.shape[1], 16 * self.qweight.shape[1])
         return (self.qweight.shape[0], 2 * self.qweight.shape[1])
 
     @property

@@ -20,12 +20,14 @@ def add_engine_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-loras", type=int, default=8)
     group.add_argument("--max-lora-rank", type=int, default=64)
-    group.add_argument("--quantization", choices=("none", "int8", "int4", "w8a8"), default="none",
+    group.add_argument("--quantization", choices=("none", "int8", "int4", "w8a8", "w4a8"), default="none",
                        help="quantization at load: weight-only int8 per output channel or int4 group-wise, "
-                            "or w8a8 (int8 weights, activations rounded to int8 per token; int8 x int8 "
-                            "products where the CPU has VNNI); a GPTQ checkpoint loads as int4 either way")
+                            "or w8a8 / w4a8 (int8 / int4 weights, activations rounded to int8 per token; "
+                            "integer products where the CPU has VNNI or AVX2); a GPTQ checkpoint loads as "
+                            "int4 (or w4a8) either way")
     group.add_argument("--quantization-group-size", type=int, default=None,
-                       help="int4 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 that fits)")
+                       help="int4 / w4a8 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 "
+                            "that fits)")
     group.add_argument("--decode-graphs", choices=("auto", "on", "off"), default="auto",
                        help="decode steps through fixed-size buckets, replayed as CUDA graphs on a GPU "
                             "(auto: on for CUDA, off on the CPU)")

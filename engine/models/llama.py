@@ -98,12 +98,13 @@ def _fuse(parts: list[Weight]) -> Weight:
 
 def _native_operands(w: Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight, scales) as the native panel ops take them (kernels/csrc/cpu_ops.cpp's panel_linear): dense in
-    the activation dtype, or int8 / int4 panels (int8 quads for w8a8); None for any other weight."""
+    the activation dtype, or int8 / int4 panels (int8 quads for w8a8, int4 quads for w4a8); None for any other
+    weight."""
     if isinstance(w, dense_cpu.PackedDense) and w.layout == "panels" and w.dtype == dtype:
         return w.packed, None
     if isinstance(w, Int8Weight) and w.layout in ("panels", "quads") and w.scales.dtype == dtype:
         return w.qweight, w.scales
-    if isinstance(w, Int4Weight) and w.layout == "panels" and w.scale_zeros.dtype == dtype:
+    if isinstance(w, Int4Weight) and w.layout in ("panels", "quads") and w.scale_zeros.dtype == dtype:
         return w.qweight, w.scale_zeros
     return None
 
@@ -188,7 +189,7 @@ class LlamaModel:
                 return dataclasses.replace(w, packed=put(w.packed))
             if isinstance(w, Int8Weight) and w.layout in ("panels", "quads"):
                 return dataclasses.replace(w, qweight=put(w.qweight), scales=put(w.scales))
-            if isinstance(w, Int4Weight) and w.layout == "panels":
+            if isinstance(w, Int4Weight) and w.layout in ("panels", "quads"):
                 return dataclasses.replace(w, qweight=put(w.qweight), scale_zeros=put(w.scale_zeros))
             return w  # plain tensors may be the loader's own (or a file's mapping): not copied
 

@@ -4010,17 +4010,19 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
 
-// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N).
-inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
-  const float* p = sz + (g * n + n0) * 2;
-  alignas(32) float part[32];
+// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N); sz float32, or
+// bf16 (w4a8_linear with bf16 x) widened exactly.
+template <class T>
+inline void int4_group_terms(const T* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
+  const T* p = sz + (g * n + n0) * 2;
+  alignas(32) T part[32];
   if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
-    std::fill(part, part + 32, 0.f);
-    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
+    std::fill(part, part + 32, T(0.f));
+    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(T));
     p = part;
   }
   for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
-    const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
+    const __m256 a = load8_f32(p + 16 * h), b = load8_f32(p + 16 * h + 8);
     s[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
     const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
     z8[h] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[h], z);  // 8 s is exact
@@ -4028,7 +4030,8 @@ inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, 
 }
 
 // One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16].
-void int4_panel_terms(const float* sz, int64_t n, int64_t G, int64_t n0, float* out) {
+template <class T>
+void int4_panel_terms(const T* sz, int64_t n, int64_t G, int64_t n0, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 sv[2], zv[2];
     int4_group_terms(sz, n, g, n0, sv, zv);
@@ -4213,8 +4216,157 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
   });
   return out;
 }
+
+// ---- w4a8_linear -------------------------------------------------------------------------------------------
+// int4 group-wise weights, W[n, k] = (q - 8) s + z as int4_linear's, times the activations rounded to int8 per
+// row at the call, x ~ qx sx as w8a8_linear's (kernels.quant_weights.Int4Weight with int8 activations). Quads:
+// (P, K / 16, 4, 32) uint8, byte e of [p, b, t] holds q[16 p + e / 4, 16 b + 4 t + e % 4] (low nibble) and
+// q[16 p + 8 + e / 4, the same k] (high): one 32-byte load is 16 columns x 4 k, 8 columns a nibble.
+// VPMADDUBSW multiplies q (the unsigned operand, 0..15) by qx (signed): a pair of products is at most
+// 2 * 15 * 127 = 3810, so 16 k (four of them) add up in int16 without saturating (4 * 2 * 1905 < 2^15)
+// before one VPMADDWD widens them: 16 k take five multiply-adds where w8a8's 8-bit weights, which saturate
+// int16 in one pair, take eight (on Zen 1 those run on one port at half the FMA rate: 1.3x fp32's GEMM
+// there instead of 0.9x). The exact int32 sum of each 16 k goes y += s * sum in fp32, each group then adds
+// (z - 8 s) * (the row's sum of qx over the group), and y * sx + bias is stored; a row's operations do not
+// depend on the rows computed beside it.
+bool has_w4a8_linear() { return true; }
+
+// Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx.
+template <int MR, int H>
+inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __restrict xsum, int64_t G,
+                      const uint8_t* __restrict panel, const float* __restrict terms, __m256* __restrict out) {
+  const int64_t blocks = K / G / 16;  // of 16 k a group
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 y[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) y[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 s = _mm256_loadu_ps(terms + g * 32 + 8 * H);
+    for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
+      __m256i pairs[MR];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) pairs[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const int64_t k4 = 4 * b + t;
+        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 32));
+        if constexpr (H == 1) q = _mm256_srli_epi16(q, 4);
+        q = _mm256_and_si256(q, low);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+          int32_t quad;
+          std::memcpy(&quad, xq + i * K + 4 * k4, sizeof quad);
+          pairs[i] = _mm256_add_epi16(pairs[i], _mm256_maddubs_epi16(q, _mm256_set1_epi32(quad)));
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) y[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i], ones)), s, y[i]);
+    }
+    const __m256 z8 = _mm256_loadu_ps(terms + g * 32 + 16 + 8 * H);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) y[i] = _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g), y[i]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) out[i] = y[i];
+}
+
+// MR rows x one panel (from column n0), stored as y * sx + bias below N.
+template <int MR, class T>
+inline void w4a8_tile(const int8_t* xq, int64_t K, const float* xsum, int64_t G, const float* sx, const uint8_t* panel,
+                      const float* terms, int64_t n0, int64_t N, T* out, const float* bias) {
+  __m256 y[2][MR];
+  w4a8_half<MR, 0>(xq, K, xsum, G, panel, terms, y[0]);
+  w4a8_half<MR, 1>(xq, K, xsum, G, panel, terms, y[1]);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c0 = n0 + 8 * h;
+    const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
+    if (valid <= 0) break;
+    alignas(32) float bb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c = 0; bias && c < valid; ++c) bb[c] = bias[c0 + c];
+    const __m256 bv = _mm256_load_ps(bb);
+    for (int i = 0; i < MR; ++i)
+      store8(out + i * N + c0, _mm256_fmadd_ps(y[h][i], _mm256_set1_ps(sx[i]), bv), valid);
+  }
+}
+
+template <class T>
+void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, int64_t P, int64_t n, const T* sz,
+              int64_t G, const float* bias, T* op) {
+  RowsI8 rows;
+  round_rows_i8_avx2(xp, xs, M, K, rows);
+  const int64_t group = K / G;
+  std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum of qx over each group (exact)
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* row = rows.q.data() + m * K + g * group;
+        __m256i acc = _mm256_setzero_si256();
+        for (int64_t k = 0; k < group; k += 32) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
+        }
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+        int32_t total = 0;
+        for (int32_t v : lanes) total += v;
+        xsum[m * G + g] = static_cast<float>(total);
+      }
+  });
+  struct Scratch {
+    std::vector<float> terms;
+  };
+  constexpr int64_t kRows = 4;  // a half panel's 4 int16 and 4 fp32 accumulators, q, s and a broadcast: 11 ymm
+  parallel_stealing<Scratch>(P, [&](Scratch& scratch, int64_t p, int64_t) {
+    scratch.terms.resize(static_cast<size_t>(G * 32));
+    int4_panel_terms(sz, n, G, p * 16, scratch.terms.data());
+    const uint8_t* panel = wp + p * K * 8;
+    for (int64_t m = 0; m < M; m += kRows) {
+      const int8_t* xq = rows.q.data() + m * K;
+      const float* xm = xsum.data() + m * G;
+      const float* sx = rows.scale.data() + m;
+      T* om = op + m * n;
+      switch (std::min<int64_t>(kRows, M - m)) {
+        case 4: w4a8_tile<4>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
+        case 3: w4a8_tile<3>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
+        case 2: w4a8_tile<2>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
+        default: w4a8_tile<1>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
+      }
+    }
+  });
+}
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "w4a8_linear: x (M, K) bfloat16 or float32, rows contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 4 && w.size(3) == 32 &&
+                  w.size(1) * 16 == K,
+              "w4a8_linear: w must be int4 quads (P, K / 16, 4, 32) for this x");
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == x.scalar_type() &&
+                  scale_zeros.size(2) == 2 && scale_zeros.size(0) > 0 && K % (32 * scale_zeros.size(0)) == 0,
+              "w4a8_linear: scale_zeros (G, N, 2) in x's dtype, groups of a multiple of 32 inputs");
+  const int64_t P = w.size(0), n = scale_zeros.size(1), G = scale_zeros.size(0);
+  TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "w4a8_linear: the quads do not hold N columns");
+  const float* bp = bias_ptr(bias, n, "w4a8_linear");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    w4a8_run(x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), P, n, scale_zeros.data_ptr<float>(), G, bp,
+             out.data_ptr<float>());
+  else
+    w4a8_run(x.data_ptr<bf16>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), P, n, scale_zeros.data_ptr<bf16>(), G, bp,
+             out.data_ptr<bf16>());
+  return out;
+}
 #else
 bool has_int4_linear_f32() { return false; }
+bool has_w4a8_linear() { return false; }
+at::Tensor w4a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "w4a8_linear: this build has no AVX2 kernel (see has_w4a8_linear)");
+  return at::Tensor();
+}
 #endif
 
 // ---- layer_forward -----------------------------------------------------------------------------------------
@@ -4229,6 +4381,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(scales.has_value(), "layer_forward: an int8 projection needs its scales");
     return int8_linear(x, w, *scales, bias);
+  }
+  if (w.scalar_type() == at::kByte && w.dim() == 4 && w.size(3) == 32) {
+    TORCH_CHECK(scales.has_value(), "layer_forward: a w4a8 projection needs its scales and zeros");
+    return w4a8_linear(x, w, *scales, bias);
   }
   if (w.scalar_type() == at::kByte && w.dim() == 4) {
     TORCH_CHECK(scales.has_value(), "layer_forward: a w8a8 projection needs its scales");
@@ -4435,6 +4591,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_w8a8_linear_f32() -> bool", &has_w8a8_linear_f32);
   m.def("has_int8_linear_f32() -> bool", &has_int8_linear_f32);
   m.def("has_int4_linear_f32() -> bool", &has_int4_linear_f32);
+  m.def("w4a8_linear(Tensor x, Tensor w, Tensor scale_zeros, Tensor? bias) -> Tensor");
+  m.def("has_w4a8_linear() -> bool", &has_w4a8_linear);
   m.def("layer_forward(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
@@ -4455,5 +4613,6 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("f32_linear", &f32_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("w4a8_linear", &w4a8_linear);
   m.impl("layer_forward", &layer_forward);
 }

@@ -155,6 +155,7 @@ def test_the_torch_twins_give_the_native_cpu_paths_tokens(llama_dir, monkeypatch
     ("llama", {}, {"dtype": "bfloat16"}),
     ("llama", {}, {"quantization": "int8"}),
     ("llama", {}, {"quantization": "w8a8"}),
+    ("llama", {}, {"quantization": "w4a8", "quantization_group_size": 32}),
     ("mistral", {"extra": {"sliding_window": 8}}, {}),  # windowed decode attention
     ("qwen2", {}, {"dtype": "bfloat16"}),  # q/k/v bias
 ])
@@ -169,7 +170,8 @@ def test_the_native_layer_gives_the_op_by_op_hidden_states_bit_for_bit(make_mode
     model_dir = make_model(family, head_dim=64, **overrides)  # a head_dim the native prefill attention takes
     dtype = EngineConfig(model=str(model_dir), **fields).torch_dtype(ModelConfig.from_pretrained(model_dir))
     needs = {"none": ("has_f32_linear", "has_bf16_linear"), "int8": ("has_int8_linear_f32", "has_bf16_linear"),
-             "w8a8": ("has_w8a8_linear_f32", "has_w8a8_linear")}[fields.get("quantization", "none")]
+             "w8a8": ("has_w8a8_linear_f32", "has_w8a8_linear"),
+             "w4a8": ("has_w4a8_linear", "has_w4a8_linear")}[fields.get("quantization", "none")]
     if ops is None or not getattr(ops, needs[dtype == torch.bfloat16])() or not ops.has_prefill_attention():
         pytest.skip(f"no native {dtype} panel kernel for {fields.get('quantization', 'dense')} weights here")
     llm = LLM(model_dir, num_kv_blocks=64, max_num_batched_tokens=48, **fields)

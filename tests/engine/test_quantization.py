@@ -1,9 +1,9 @@
-"""int8/int4 (weight-only) and w8a8 at load, and GPTQ checkpoints: the quantized model computes with its
+"""int8/int4 (weight-only), w8a8 and w4a8 at load, and GPTQ checkpoints: the quantized model computes with its
 dequantized weights.
 
 The reference of a quantized model is the same model with every quantized weight replaced by its
 dequantized value (`LlamaModel.dequantized_state_dict`), run by transformers or by loraplex unquantized;
-for w8a8 transformers also rounds every quantized projection's input rows to int8
+for w8a8 and w4a8 transformers also rounds every quantized projection's input rows to int8
 (quant_reference.with_int8_inputs). Tolerances: fp32 activations compute with exactly those matrices (only
 summation order differs; measured max |logit diff| about 2e-6), bf16 activations round activations and
 sums (measured up to 0.034 weight-only, 0.077 w8a8: a bf16 rounding can move an int8 rounding by one step).
@@ -38,13 +38,14 @@ LOGIT_TOL = {"float32": 1e-4, "bfloat16": 0.1}
 # every other logprob within 0.009); not rounding activations at all would be 0.04-0.06 off.
 W8A8_FP32_TOL = 0.03
 METHODS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4", "quantization_group_size": 32},
-           "w8a8": {"quantization": "w8a8"}}
+           "w8a8": {"quantization": "w8a8"}, "w4a8": {"quantization": "w4a8", "quantization_group_size": 32}}
+INT8_INPUTS = ("w8a8", "w4a8")  # the methods that round activations to int8
 
 
 def hf_reference(model_dir: Path, llm: LLM, method: str) -> torch.nn.Module:
     """transformers on `llm`'s dequantized weights, reading activations the way `method` does."""
     hf = hf_with_weights(model_dir, llm.engine.runner.model.dequantized_state_dict())
-    return with_int8_inputs(hf) if method == "w8a8" else hf
+    return with_int8_inputs(hf) if method in INT8_INPUTS else hf
 
 
 def dequantized_dir(llm: LLM, src: Path, out: Path) -> Path:
@@ -62,7 +63,7 @@ def test_prefill_logits_match_transformers_on_the_dequantized_weights(make_model
         got = llm.engine.runner.prefill_logits(prompt)
         with torch.no_grad():
             want = hf(input_ids=torch.tensor([prompt])).logits[0].float()
-        tol = W8A8_FP32_TOL if (method, dtype) == ("w8a8", "float32") else LOGIT_TOL[dtype]
+        tol = W8A8_FP32_TOL if method in INT8_INPUTS and dtype == "float32" else LOGIT_TOL[dtype]
         assert (got - want).abs().max().item() <= tol, (family, method, dtype, len(prompt))
 
 
@@ -72,9 +73,9 @@ def test_greedy_tokens_agree_with_the_dequantized_model(make_model, tmp_path, fa
     """16 x 64 greedy tokens. fp32: free-running, >= 99 % (measured 1024/1024 for all eight). bf16: free-running
     greedy of these random models diverges at the first near-tie even unquantized (dense bf16 vs dense fp32:
     520/1024 for llama), so bf16 per-token decisions are compared under teacher forcing: >= 97 % (measured
-    1003-1020/1024). w8a8 rounds activations the dequantized model does not, so it is compared under teacher
-    forcing in both dtypes: >= 95 % (measured 991-1017/1024; its exactness is the logits test's, against a
-    reference that rounds them too)."""
+    1003-1020/1024). w8a8 and w4a8 round activations the dequantized model does not, so they are compared under
+    teacher forcing in both dtypes: >= 95 % (measured 991-1017/1024; their exactness is the logits test's,
+    against a reference that rounds them too)."""
     model_dir = make_model(family)
     prompts = random_prompts(1000, [4 + 3 * i for i in range(16)], seed=2)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -82,7 +83,7 @@ def test_greedy_tokens_agree_with_the_dequantized_model(make_model, tmp_path, fa
         quantized = LLM(model_dir, dtype=dtype, num_kv_blocks=256, **METHODS[method])
         reference = LLM(dequantized_dir(quantized, model_dir, tmp_path / dtype), dtype=dtype, num_kv_blocks=256)
         want = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        if dtype == "float32" and method != "w8a8":
+        if dtype == "float32" and method not in INT8_INPUTS:
             got = [o.outputs[0].token_ids for o in quantized.generate([{"prompt_token_ids": p} for p in prompts],
                                                                       params)]
             same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
@@ -92,7 +93,7 @@ def test_greedy_tokens_agree_with_the_dequantized_model(make_model, tmp_path, fa
         for prompt, tokens in zip(prompts, want, strict=True):
             logits = quantized.engine.runner.prefill_logits(prompt + tokens)[len(prompt) - 1 : -1]
             same += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
-        assert same >= (0.95 if method == "w8a8" else 0.97) * 16 * 64, (family, method, dtype, same)
+        assert same >= (0.95 if method in INT8_INPUTS else 0.97) * 16 * 64, (family, method, dtype, same)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # untied lm_head (quantized) and tied (kept dense)
@@ -115,6 +116,8 @@ def test_weight_bytes_count_what_stays_resident(make_model, family) -> None:
     size = int4.dtype.itemsize  # scales and zeros in the activation dtype (float32 where int4 reads float32)
     rest4 = int4.weight_bytes - linear_params // 2 - sum(2 * size * n * (k // 32) for n, k in linears)
     assert rest4 == rest * size // 2  # embeddings and norms: in the activation dtype too
+    w4a8 = LLM(model_dir, num_kv_blocks=8, quantization="w4a8", quantization_group_size=32).engine.runner
+    assert w4a8.dtype == int4.dtype and w4a8.weight_bytes == int4.weight_bytes
 
 
 # ----- LoRA on a quantized base ---------------------------------------------------------------------------
@@ -140,7 +143,7 @@ def test_adapter_rows_on_a_quantized_base_match_peft_on_the_dequantized_base(mak
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
     eos = llm.tokenizer.eos_token_ids
-    tol = W8A8_FP32_TOL if method == "w8a8" else 1e-4
+    tol = W8A8_FP32_TOL if method in INT8_INPUTS else 1e-4
     for prompt, adapter, out in zip(prompts, adapters, outs, strict=True):
         reference = refs[adapter] if adapter else PeftReference(model_dir, base)
         want_tokens, want_logprobs = reference.greedy(prompt, 8, eos)
@@ -168,13 +171,14 @@ def test_adapter_rows_on_a_quantized_base_match_peft_on_the_dequantized_base(mak
         return errors
 
     # w8a8: a bf16 rounding also moves int8 roundings of the activations (measured: at most 2.6x)
-    factor = 3 if method == "w8a8" else 2
+    factor = 3 if method in INT8_INPUTS else 2
     dense_errors = bf16_errors({})
     for key, error in bf16_errors(METHODS[method]).items():
         assert error <= factor * dense_errors[key] + 0.02, (key, error, dense_errors[key])
 
 
-@pytest.mark.parametrize(("method", "dtype"), [("int4", "float32"), ("int8", "bfloat16"), ("w8a8", "bfloat16")])
+@pytest.mark.parametrize(("method", "dtype"), [("int4", "float32"), ("int8", "bfloat16"), ("w8a8", "bfloat16"),
+                                             ("w4a8", "float32")])
 def test_prefix_cache_grammar_and_preemption_on_a_quantized_model(make_model, method, dtype) -> None:
     """fp32: every output equals the request run alone; bf16 (batch-dependent kernel choice): the engine's
     own invariants and valid constrained outputs."""

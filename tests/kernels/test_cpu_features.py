@@ -55,20 +55,20 @@ def test_engine_auto_dtype_on_cpu_follows_the_cpu(monkeypatch: pytest.MonkeyPatc
     assert "avx512_bf16" in EngineConfig(model="unused").dtype_reason(model)
     cpuinfo.write_text("flags\t: fpu sse2 avx2\n")
     assert EngineConfig(model="unused").torch_dtype(model) is torch.float32
-    # an explicit dtype wins; quantized weights take bf16 activations, except int8, w8a8 and int4 on a CPU
-    # without native bf16 whose native kernels read float32 (AVX2 builds)
+    # an explicit dtype wins; quantized weights take bf16 activations, except int8, w8a8, int4 and w4a8 on a
+    # CPU without native bf16 whose native kernels read float32 (AVX2 builds)
     assert EngineConfig(model="unused", dtype="float32").dtype_reason(model) == "float32: set by dtype=float32"
     from kernels import native_cpu
 
     ops = native_cpu.ops()
     for method, has_f32 in (("int8", "has_int8_linear_f32"), ("w8a8", "has_w8a8_linear_f32"),
-                            ("int4", "has_int4_linear_f32")):
+                            ("int4", "has_int4_linear_f32"), ("w4a8", "has_w4a8_linear")):
         want = torch.float32 if ops is not None and getattr(ops, has_f32)() else torch.bfloat16
         config = EngineConfig(model="unused", quantization=method)
         assert config.torch_dtype(model) is want
         assert config.dtype_reason(model).startswith(str(want).removeprefix("torch.") + ":")
     cpuinfo.write_text("flags\t: fpu sse2 avx2 avx512f avx512_bf16\n")
-    for method in ("w8a8", "int4"):
+    for method in ("w8a8", "int4", "w4a8"):
         assert EngineConfig(model="unused", quantization=method).torch_dtype(model) is torch.bfloat16
 
 

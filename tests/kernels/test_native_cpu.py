@@ -135,6 +135,11 @@ def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, pa
         placed = place(quantize_int8(torch.randn(600, 128, generator=g), torch.bfloat16, activations="int8"), "cpu")
         x8 = torch.randn(13, 128, generator=g).bfloat16()
         cases.append(("w8a8", lambda: linear(x8, placed)))
+    if ops.has_w4a8_linear():
+        placed4a8 = place(quantize_int4(torch.randn(600, 128, generator=g), 32, torch.float32, activations="int8"),
+                          "cpu")
+        x4 = torch.randn(13, 128, generator=g)
+        cases.append(("w4a8", lambda: linear(x4, placed4a8)))
     lens = [45, 40, 33, 47, 36, 48, 8, 70, 1, 16]
     for dtype in (torch.float32, torch.bfloat16):
         b = paged_batch([1] * len(lens), lens, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
@@ -344,6 +349,50 @@ def test_w8a8_quads_equal_the_integer_product(ops, m, n, k, dtype):
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)  # placing again keeps the values
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 13, 40])
+@pytest.mark.parametrize(("n", "k", "group"), [(96, 64, 32), (40, 64, 32), (600, 128, 64), (16, 1536, 128),
+                                               (24, 256, 256)])
+def test_w4a8_quads_equal_the_integer_product(ops, m, n, k, group, dtype):
+    """int4 weights x rows rounded to int8 (AVX2 builds): one tile (1-4 rows) and several, N not a multiple
+    of 16 (nor of 8), a long K, every group size, a bias, an all-zero row, and the int16 extremes: q = 15
+    (and 0) against qx = +-127 for a whole row, 16 k of pair sums at 2 * 15 * 127 each before they widen.
+    Against the exact product of the rounded rows and the dequantized weight (float64), scaled once, in x's
+    dtype; each row alone equals the row in the batch, to the bit."""
+    from kernels.quant import dequantize, int4_from_values, int4_values, linear, place, round_rows_int8
+
+    if not ops.has_w4a8_linear():
+        pytest.skip("no native int4 x int8 kernel here: w4a8 runs the rounded rows through the int4 path")
+    g = torch.Generator().manual_seed(m * n + k + group)
+    values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    values[0], values[1] = 15, 0
+    scales = (torch.rand(k // group, n, generator=g) * 0.1 + 0.01).to(dtype)
+    zeros = (torch.randn(k // group, n, generator=g) * 0.1).to(dtype)
+    q = int4_from_values(values, scales, zeros, group, activations="int8")
+    placed = place(q, "cpu")
+    assert placed.layout == "quads" and placed.shape == (n, k) and placed.activations == "int8"
+    assert torch.equal(int4_values(placed), values)
+    assert placed.nbytes == -(-n // 16) * 16 * k // 2 + q.scale_zeros.numel() * q.scale_zeros.element_size()
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0] = -2.0 if m % 2 else 2.0  # qx = +-127 at every k
+    x[m // 2] = 0 if m > 1 else x[m // 2]  # its scale is 0: the row's products are 0 (plus the bias), not NaN
+    bias = torch.randn(n, generator=g).to(dtype)
+    qx, sx = round_rows_int8(x)
+    w = dequantize(q, torch.float64)
+    for b in (None, bias):
+        exact = (qx.double() @ w.T) * sx.double()[:, None]
+        if b is not None:
+            exact = exact + b.double()
+        got = linear(x, placed, b)
+        assert got.dtype == dtype and got.shape == (m, n)
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
+        else:
+            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+        assert torch.equal(torch.cat([linear(x[i : i + 1], placed, b) for i in range(m)]), got)
+    assert torch.equal(int4_values(place(placed, "cpu")), values)  # placing again keeps the values
+
+
 @pytest.fixture
 def amx_off(ops):
     """The AVX-512 tiles for the test's length, restored after (a failing test must not leave AMX off)."""
@@ -394,8 +443,8 @@ def test_amx_tiles_equal_the_avx512_tiles(ops, m, n, k):
 @pytest.mark.parametrize("tiles", ["vectors", "amx"])
 def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
     """The fused gate/up op is silu_mul of the same kernel's product, bit for bit, for every weight kind the
-    decode layer takes (bf16, fp32, int8, int4 panels, w8a8 quads, the quantized kinds with bf16 or float32
-    activations): on AMX tiles (bf16 panels and w8a8 quads) its epilogue rounds the gate and up sums to bf16
+    decode layer takes (bf16, fp32, int8, int4 panels, w8a8 and w4a8 quads, the quantized kinds with bf16 or
+    float32 activations): on AMX tiles (bf16 panels and w8a8 quads) its epilogue rounds the gate and up sums to bf16
     as the product's store does, then runs silu_mul's operations; elsewhere the two ops run in turn. I = 48 (three 16-column panels per half), K = 128."""
     from engine.models.llama import _native_operands
     from kernels.quant import linear, place, quantize_int4, quantize_int8
@@ -412,7 +461,9 @@ def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
              "int4": (place(quantize_int4(w, 32, torch.bfloat16), "cpu"), x),
              "int8-fp32": (place(quantize_int8(w, torch.float32), "cpu"), x.float()),
              "w8a8-fp32": (place(quantize_int8(w, torch.float32, activations="int8"), "cpu"), x.float()),
-             "int4-fp32": (place(quantize_int4(w, 32, torch.float32), "cpu"), x.float())}
+             "int4-fp32": (place(quantize_int4(w, 32, torch.float32), "cpu"), x.float()),
+             "w4a8": (place(quantize_int4(w, 32, torch.bfloat16, activations="int8"), "cpu"), x),
+             "w4a8-fp32": (place(quantize_int4(w, 32, torch.float32, activations="int8"), "cpu"), x.float())}
     if dense_cpu.can_pack(w.bfloat16()):  # a CPU without native bf16 keeps bf16 weights unpacked
         cases["bf16"] = (dense_cpu.pack(w.bfloat16()), x)
     ran = []

@@ -1,4 +1,4 @@
-"""Quantized linear (weight-only, and w8a8): quantizers, the CPU layouts, and every dispatch path against the
+"""Quantized linear (weight-only, w8a8 and w4a8): quantizers, the CPU layouts, and every dispatch path against the
 torch twin."""
 
 from __future__ import annotations
@@ -70,6 +70,38 @@ def test_w8a8_without_its_native_kernel_runs_the_rounded_rows(dtype: torch.dtype
     assert (linear_ref(x, q, None).float() - weight_only).abs().max() > 1e-3  # the rounding is applied
     with pytest.raises(ValueError, match="int8 activations only"):
         Int8Weight(placed.qweight, placed.scales, "quads")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_without_its_native_kernel_runs_the_rounded_rows(dtype: torch.dtype, torch_int4: None) -> None:
+    """int4 weights with int8 activations and no native quads (another CPU, or CUDA's form): the rounded
+    rows through the weight-only int4 path, then each row's scale, match the reference (the rounded rows'
+    product with the dequantized weight in float64)."""
+    q = quant.quantize_int4(weight(80, 96, seed=7), 32, dtype, activations="int8")
+    placed = place(q, "cpu")
+    assert placed.layout == "cpu_int4pack" and placed.activations == "int8"
+    x = weight(5, 96, seed=8).to(dtype)
+    bias = weight(1, 80, seed=9)[0].to(dtype)
+    for b in (None, bias):
+        close(linear(x, placed, b), linear_ref(x, placed, b), dtype)
+    weight_only = linear_ref(x, quant.quantize_int4(weight(80, 96, seed=7), 32, dtype), None).float()
+    assert (linear_ref(x, q, None).float() - weight_only).abs().max() > 1e-3  # the rounding is applied
+    fused = quant.concat([q, q])
+    assert fused.activations == "int8" and fused.shape == (160, 96)
+    with pytest.raises(ValueError, match="int8 activations only"):
+        Int4Weight(placed.qweight, placed.scale_zeros, 32, "quads")
+
+
+@pytest.mark.parametrize("n", [16, 40, 100])
+def test_int4_quads_round_trip(n: int) -> None:
+    """The native w4a8 kernel's quads hold every value (N not a multiple of 16: zero past N), 16 columns x 4 k
+    a 32-byte row, 8 columns a nibble."""
+    values = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+    packed = quant_cpu.pack_int4_quads(values)
+    assert packed.shape == (-(-n // 16), 4, 4, 32) and packed.dtype == torch.uint8
+    assert torch.equal(quant_cpu.unpack_int4_quads(packed, n), values)
+    assert packed[0, 0, 0, 0].item() == values[0, 0].item() | values[8, 0].item() << 4
+    assert packed[0, 0, 1, 5].item() == values[1, 5].item() | values[9, 5].item() << 4  # column 5 // 4, k 4 + 5 % 4
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
