@@ -12,7 +12,7 @@ Columns, measured the way each tool measures itself:
 
 Each loraplex precision sits next to the llama.cpp type of equal weight bits: float32-F32, bfloat16-F16 and
 BF16, int8-Q8_0 and w8a8-Q8_0 (Q8_0 also rounds activations to 8 bits, per block of 32 where w8a8 rounds per
-token), int4-Q4_0. KV caches: llama.cpp keeps f16 ones whatever the weights, loraplex its compute dtype unless
+token), int4-Q4_0 and w4a8-Q4_0 (Q4_0's products also round activations to 8 bits: Q8_0 blocks of 32). KV caches: llama.cpp keeps f16 ones whatever the weights, loraplex its compute dtype unless
 told (--kv-cache-dtype), so "float32+kvbf16" is the F32 pair at equal cache bits too, and "+kv8" rows (int8
 caches) sit next to llama.cpp with q8_0 caches (-ctk/-ctv q8_0, flash attention on, which llama.cpp needs for a
 quantized V cache). Ratios are loraplex / llama.cpp (higher is better for loraplex in every
@@ -49,6 +49,7 @@ PAIRS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "int8": ({"dtype": "auto", "quantization": "int8"}, ("Q8_0",)),
     "w8a8": ({"dtype": "auto", "quantization": "w8a8"}, ("Q8_0",)),
     "int4": ({"dtype": "auto", "quantization": "int4"}, ("Q4_0",)),
+    "w4a8": ({"dtype": "auto", "quantization": "w4a8"}, ("Q4_0",)),
     "float32+kvbf16": ({"dtype": "float32", "kv_cache_dtype": "bfloat16"}, ("F32",)),
     "float32+kv8": ({"dtype": "float32", "kv_cache_dtype": "int8"}, ("F32+kvq8_0",)),
     "bfloat16+kv8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, ("BF16+kvq8_0",)),

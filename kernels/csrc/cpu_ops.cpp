@@ -4010,19 +4010,17 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
 
-// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N); sz float32, or
-// bf16 (w4a8_linear with bf16 x) widened exactly.
-template <class T>
-inline void int4_group_terms(const T* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
-  const T* p = sz + (g * n + n0) * 2;
-  alignas(32) T part[32];
+// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N).
+inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
+  const float* p = sz + (g * n + n0) * 2;
+  alignas(32) float part[32];
   if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
-    std::fill(part, part + 32, T(0.f));
-    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(T));
+    std::fill(part, part + 32, 0.f);
+    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
     p = part;
   }
   for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
-    const __m256 a = load8_f32(p + 16 * h), b = load8_f32(p + 16 * h + 8);
+    const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
     s[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
     const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
     z8[h] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[h], z);  // 8 s is exact
@@ -4030,8 +4028,7 @@ inline void int4_group_terms(const T* sz, int64_t n, int64_t g, int64_t n0, __m2
 }
 
 // One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16].
-template <class T>
-void int4_panel_terms(const T* sz, int64_t n, int64_t G, int64_t n0, float* out) {
+void int4_panel_terms(const float* sz, int64_t n, int64_t G, int64_t n0, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 sv[2], zv[2];
     int4_group_terms(sz, n, g, n0, sv, zv);
@@ -4228,8 +4225,33 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // int16 in one pair, take eight (on Zen 1 those run on one port at half the FMA rate: 1.3x fp32's GEMM
 // there instead of 0.9x). The exact int32 sum of each 16 k goes y += s * sum in fp32, each group then adds
 // (z - 8 s) * (the row's sum of qx over the group), and y * sx + bias is stored; a row's operations do not
-// depend on the rows computed beside it.
+// depend on the rows computed beside it. Scales and zeros: (G, 2, N), each group's N scales then its N zeros,
+// so 8 columns' are one load each.
 bool has_w4a8_linear() { return true; }
+
+// One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16], from (G, 2, N) scales
+// and zeros (zero past N).
+template <class T>
+void w4a8_panel_terms(const T* sz, int64_t n, int64_t G, int64_t n0, float* out) {
+  const int64_t valid = std::min<int64_t>(16, n - n0);
+  for (int64_t g = 0; g < G; ++g) {
+    const T* scales = sz + 2 * g * n + n0;
+    const T* zeros = scales + n;
+    alignas(32) T part[32];
+    if (valid < 16) {  // the last panel's columns past N: zero scale and zero
+      std::fill(part, part + 32, T(0.f));
+      std::memcpy(part, scales, static_cast<size_t>(valid) * sizeof(T));
+      std::memcpy(part + 16, zeros, static_cast<size_t>(valid) * sizeof(T));
+      scales = part;
+      zeros = part + 16;
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = load8_f32(scales + 8 * h);
+      _mm256_storeu_ps(out + g * 32 + 8 * h, sv);
+      _mm256_storeu_ps(out + g * 32 + 16 + 8 * h, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, load8_f32(zeros + 8 * h)));
+    }
+  }
+}
 
 // Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx.
 template <int MR, int H>
@@ -4317,9 +4339,11 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
     std::vector<float> terms;
   };
   constexpr int64_t kRows = 4;  // a half panel's 4 int16 and 4 fp32 accumulators, q, s and a broadcast: 11 ymm
-  parallel_stealing<Scratch>(P, [&](Scratch& scratch, int64_t p, int64_t) {
+  parallel_stealing<Scratch>(P, [&](Scratch& scratch, int64_t p, int64_t next) {
+    if (next >= 0)  // the next panel's scales and zeros, a line a group each, far apart: fetched ahead
+      for (int64_t g = 0; g < 2 * G; ++g) _mm_prefetch(reinterpret_cast<const char*>(sz + g * n + next * 16), _MM_HINT_T0);
     scratch.terms.resize(static_cast<size_t>(G * 32));
-    int4_panel_terms(sz, n, G, p * 16, scratch.terms.data());
+    w4a8_panel_terms(sz, n, G, p * 16, scratch.terms.data());
     const uint8_t* panel = wp + p * K * 8;
     for (int64_t m = 0; m < M; m += kRows) {
       const int8_t* xq = rows.q.data() + m * K;
@@ -4345,9 +4369,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                   w.size(1) * 16 == K,
               "w4a8_linear: w must be int4 quads (P, K / 16, 4, 32) for this x");
   TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == x.scalar_type() &&
-                  scale_zeros.size(2) == 2 && scale_zeros.size(0) > 0 && K % (32 * scale_zeros.size(0)) == 0,
-              "w4a8_linear: scale_zeros (G, N, 2) in x's dtype, groups of a multiple of 32 inputs");
-  const int64_t P = w.size(0), n = scale_zeros.size(1), G = scale_zeros.size(0);
+                  scale_zeros.size(1) == 2 && scale_zeros.size(0) > 0 && K % (32 * scale_zeros.size(0)) == 0,
+              "w4a8_linear: scale_zeros (G, 2, N) in x's dtype, groups of a multiple of 32 inputs");
+  const int64_t P = w.size(0), n = scale_zeros.size(2), G = scale_zeros.size(0);
   TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "w4a8_linear: the quads do not hold N columns");
   const float* bp = bias_ptr(bias, n, "w4a8_linear");
   at::Tensor out = at::empty({M, n}, x.options());
