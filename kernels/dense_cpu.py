@@ -243,7 +243,7 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias over int4 quads (kernels.quant_cpu.pack_int4_quads) with their (G, 2, N) scales and
+    """y = x @ W.T + bias over int4 quads (kernels.quant_cpu.pack_int4_quads) with their (G, N, 2) scales and
     zeros in x's dtype (bf16 or float32), x rounded to int8 per row here (kernels.quant.round_rows_int8):
     exact int32 sums of q * qx for each 16 inputs, then fp32 as in the kernel's comment, y in x's dtype.
 
@@ -251,7 +251,7 @@ def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tenso
     """
     assert _W4A8_LINEAR is not None, "int4 quads are only made where the native ops run"
     x2, b = _rows(x, qweight.shape[1] * 16), _bias(bias)
-    return _W4A8_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[2])
+    return _W4A8_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,

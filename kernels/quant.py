@@ -27,7 +27,6 @@ from kernels.quant_weights import (
     QuantizedWeight,
     dequantize_int4,
     nibble_values,
-    scale_zero_pairs,
     tensor_bytes,
 )
 
@@ -101,7 +100,7 @@ def dequantize(w: QuantizedWeight | PackedDense, dtype: torch.dtype = torch.floa
         return dense_cpu.unpack(w).to(dtype)
     if isinstance(w, Int8Weight):
         return int8_rows(w).to(dtype) * w.scales.to(dtype)[:, None]
-    return dequantize_int4(int4_values(w), scale_zero_pairs(w), w.group_size, dtype)
+    return dequantize_int4(int4_values(w), w.scale_zeros, w.group_size, dtype)
 
 
 def int8_rows(w: Int8Weight) -> torch.Tensor:
@@ -211,11 +210,12 @@ def place(w: Weight, device: torch.device | str) -> Weight:
             return Int8Weight(dense_cpu.panel(q, pairs), w.scales.contiguous(), "panels")
         return Int8Weight(q, w.scales.to(device), activations=w.activations)
     if w.layout == "quads":  # back to the host form first; it may go to other quads or another layout
-        w = int4_from_values(int4_values(w), w.scale_zeros[:, 0], w.scale_zeros[:, 1], w.group_size, w.activations)
+        w = int4_from_values(int4_values(w), w.scale_zeros[..., 0], w.scale_zeros[..., 1], w.group_size,
+                             w.activations)
     cpu = device.type == "cpu" and w.layout == "nibbles"
     if cpu and w.activations == "int8" and dense_cpu.can_pack_w4a8(w.shape[1], w.group_size, w.scale_zeros.dtype):
-        return Int4Weight(quant_cpu.pack_int4_quads(int4_values(w)), w.scale_zeros.transpose(1, 2).contiguous(),
-                          w.group_size, "quads", "int8")
+        return Int4Weight(quant_cpu.pack_int4_quads(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
+                          "quads", "int8")
     if cpu and quant_cpu.can_pack_int4_panels(w):
         single_k = w.scale_zeros.dtype == torch.float32  # float32 activations read single-k panels
         return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w), single_k), w.scale_zeros.contiguous(),

@@ -78,14 +78,12 @@ class Int4Weight:
                     bf16 panel order; float32, single k (ceil(N / 16), K / 2, 16): byte [p, t, j] holds
                     q[16 p + j, 2t] (low nibble) and q[16 p + j, 2t + 1] (high).
     "quads":        (ceil(N / 16), K / 16, 4, 32) uint8, byte e of [p, b, t] holds q[16 p + e // 4, 16 b + 4 t +
-                    e % 4] (low nibble) and q[16 p + 8 + e // 4, the same k] (high), zero past N, with
-                    scale_zeros as (G, 2, N) (each group's scales, then its zeros: 8 columns' in one load): the
-                    CPU's native int4 x int8 kernel (AVX2), int8 activations only. `scale_zero_pairs` gives the
-                    (G, N, 2) form whatever the layout.
+                    e % 4] (low nibble) and q[16 p + 8 + e // 4, the same k] (high), zero past N: the CPU's
+                    native int4 x int8 kernel (AVX2), int8 activations only.
     """
 
     qweight: torch.Tensor
-    scale_zeros: torch.Tensor  # (K / group_size, N, 2) activation dtype: [..., 0] scale, [..., 1] zero (quads: (G, 2, N))
+    scale_zeros: torch.Tensor  # (K / group_size, N, 2) activation dtype: [..., 0] scale, [..., 1] zero
     group_size: int
     layout: Int4Layout = "nibbles"
     activations: Literal["float", "int8"] = "float"
@@ -99,7 +97,7 @@ class Int4Weight:
         if self.layout == "panels":  # k-pair panels hold 4 k a byte row of 32, single-k panels 2 in one of 16
             return (self.scale_zeros.shape[1], (2 if self.qweight.shape[2] == 16 else 4) * self.qweight.shape[1])
         if self.layout == "quads":
-            return (self.scale_zeros.shape[2], 16 * self.qweight.shape[1])
+            return (self.scale_zeros.shape[1], 16 * self.qweight.shape[1])
         return (self.qweight.shape[0], 2 * self.qweight.shape[1])
 
     @property
@@ -108,11 +106,6 @@ class Int4Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
-
-
-def scale_zero_pairs(w: Int4Weight) -> torch.Tensor:
-    """w's scales and zeros as (G, N, 2), whatever its layout."""
-    return w.scale_zeros.transpose(1, 2) if w.layout == "quads" else w.scale_zeros
 
 
 def nibble_values(packed: torch.Tensor) -> torch.Tensor:

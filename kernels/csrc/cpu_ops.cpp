@@ -21,6 +21,8 @@
 //                      float32 x over single-k int4 panels widened to fp32 (AVX2, has_int4_linear_f32)
 //   w8a8_linear        int8 weights x the activations rounded to int8 per row at the call, int32 sums by
 //                      AVX512-VNNI (bf16 x), or by AVX2 byte and word multiply-adds (bf16 or float32 x)
+//   w4a8_linear        int4 group-wise weights x the activations rounded as w8a8_linear's, AVX2 byte
+//                      multiply-adds summed 16 k in int16 before they widen (bf16 or float32 x)
 //                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
 //                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call (a thread
@@ -4010,17 +4012,19 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
 
-// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N).
-inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
-  const float* p = sz + (g * n + n0) * 2;
-  alignas(32) float part[32];
+// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N); sz float32, or
+// bf16 (w4a8_linear with bf16 x) widened exactly.
+template <class T>
+inline void int4_group_terms(const T* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
+  const T* p = sz + (g * n + n0) * 2;
+  alignas(32) T part[32];
   if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
-    std::fill(part, part + 32, 0.f);
-    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
+    std::fill(part, part + 32, T(0.f));
+    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(T));
     p = part;
   }
   for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
-    const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
+    const __m256 a = load8_f32(p + 16 * h), b = load8_f32(p + 16 * h + 8);
     s[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
     const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
     z8[h] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[h], z);  // 8 s is exact
@@ -4028,7 +4032,8 @@ inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, 
 }
 
 // One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16].
-void int4_panel_terms(const float* sz, int64_t n, int64_t G, int64_t n0, float* out) {
+template <class T>
+void int4_panel_terms(const T* sz, int64_t n, int64_t G, int64_t n0, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 sv[2], zv[2];
     int4_group_terms(sz, n, g, n0, sv, zv);
@@ -4222,38 +4227,14 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // VPMADDUBSW multiplies q (the unsigned operand, 0..15) by qx (signed): a pair of products is at most
 // 2 * 15 * 127 = 3810, so 16 k (four of them) add up in int16 without saturating (4 * 2 * 1905 < 2^15)
 // before one VPMADDWD widens them: 16 k take five multiply-adds where w8a8's 8-bit weights, which saturate
-// int16 in one pair, take eight (on Zen 1 those run on one port at half the FMA rate: 1.3x fp32's GEMM
-// there instead of 0.9x). The exact int32 sum of each 16 k goes y += s * sum in fp32, each group then adds
+// int16 in one pair, take eight (on Zen 1 both run on one port at half the FMA rate: measured there, the bench
+// model's projections at 32-512 rows ran 1.1-1.3x fp32's GEMM, where w8a8's ran below it). The exact int32 sum of each 16 k goes y += s * sum in fp32, each group then adds
 // (z - 8 s) * (the row's sum of qx over the group), and y * sx + bias is stored; a row's operations do not
-// depend on the rows computed beside it. Scales and zeros: (G, 2, N), each group's N scales then its N zeros,
-// so 8 columns' are one load each.
+// depend on the rows computed beside it.
 bool has_w4a8_linear() { return true; }
 
-// One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16], from (G, 2, N) scales
-// and zeros (zero past N).
-template <class T>
-void w4a8_panel_terms(const T* sz, int64_t n, int64_t G, int64_t n0, float* out) {
-  const int64_t valid = std::min<int64_t>(16, n - n0);
-  for (int64_t g = 0; g < G; ++g) {
-    const T* scales = sz + 2 * g * n + n0;
-    const T* zeros = scales + n;
-    alignas(32) T part[32];
-    if (valid < 16) {  // the last panel's columns past N: zero scale and zero
-      std::fill(part, part + 32, T(0.f));
-      std::memcpy(part, scales, static_cast<size_t>(valid) * sizeof(T));
-      std::memcpy(part + 16, zeros, static_cast<size_t>(valid) * sizeof(T));
-      scales = part;
-      zeros = part + 16;
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sv = load8_f32(scales + 8 * h);
-      _mm256_storeu_ps(out + g * 32 + 8 * h, sv);
-      _mm256_storeu_ps(out + g * 32 + 16 + 8 * h, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, load8_f32(zeros + 8 * h)));
-    }
-  }
-}
-
-// Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx.
+// Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx. xq: the MR rows interleaved
+// by 16 k (w4a8_run), so one pointer walks them.
 template <int MR, int H>
 inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __restrict xsum, int64_t G,
                       const uint8_t* __restrict panel, const float* __restrict terms, __m256* __restrict out) {
@@ -4265,24 +4246,25 @@ inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __res
   for (int64_t g = 0; g < G; ++g) {
     const __m256 s = _mm256_loadu_ps(terms + g * 32 + 8 * H);
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
-      __m256i pairs[MR];
-#pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i) pairs[i] = _mm256_setzero_si256();
+      // the block's 16 k widened once, then row by row, so one row's products are live at a time (all rows' at
+      // once, GCC reassociated the sums into trees and kept the accumulators on the stack: 20 % slower)
+      __m256i q[4];
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
-        const int64_t k4 = 4 * b + t;
-        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 32));
-        if constexpr (H == 1) q = _mm256_srli_epi16(q, 4);
-        q = _mm256_and_si256(q, low);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; ++i) {
-          int32_t quad;
-          std::memcpy(&quad, xq + i * K + 4 * k4, sizeof quad);
-          pairs[i] = _mm256_add_epi16(pairs[i], _mm256_maddubs_epi16(q, _mm256_set1_epi32(quad)));
-        }
+        q[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (4 * b + t) * 32));
+        if constexpr (H == 1) q[t] = _mm256_srli_epi16(q[t], 4);
+        q[t] = _mm256_and_si256(q[t], low);
       }
 #pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i) y[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i], ones)), s, y[i]);
+      for (int i = 0; i < MR; ++i) {
+        // the row's 4 quads of qx, each broadcast straight from memory (a load, no shuffle)
+        const float* quads = reinterpret_cast<const float*>(xq + (b * MR + i) * 16);
+        __m256i pairs = _mm256_maddubs_epi16(q[0], _mm256_castps_si256(_mm256_broadcast_ss(quads)));
+#pragma GCC unroll 3
+        for (int t = 1; t < 4; ++t)
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(q[t], _mm256_castps_si256(_mm256_broadcast_ss(quads + t))));
+        y[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s, y[i]);
+      }
     }
     const __m256 z8 = _mm256_loadu_ps(terms + g * 32 + 16 + 8 * H);
 #pragma GCC unroll 4
@@ -4316,6 +4298,18 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
               int64_t G, const float* bias, T* op) {
   RowsI8 rows;
   round_rows_i8_avx2(xp, xs, M, K, rows);
+  constexpr int64_t kRows = 4;  // a half panel's 4 fp32 accumulators, a block's 4 q, a row's sum, s: 13 ymm
+  // each tile's rows interleaved by 16 k: [k / 16][row][16], so a tile reads its rows through one pointer (with a
+  // pointer per row the block loop ran out of general registers and reloaded them from the stack)
+  std::vector<int8_t> tiles(static_cast<size_t>(M * K));
+  at::parallel_for(0, (M + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t m0 = tile * kRows, mr = std::min(kRows, M - m0);
+      for (int64_t b = 0; b < K / 16; ++b)
+        for (int64_t i = 0; i < mr; ++i)
+          std::memcpy(tiles.data() + m0 * K + (b * mr + i) * 16, rows.q.data() + (m0 + i) * K + 16 * b, 16);
+    }
+  });
   const int64_t group = K / G;
   std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum of qx over each group (exact)
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -4338,15 +4332,16 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
   struct Scratch {
     std::vector<float> terms;
   };
-  constexpr int64_t kRows = 4;  // a half panel's 4 int16 and 4 fp32 accumulators, q, s and a broadcast: 11 ymm
   parallel_stealing<Scratch>(P, [&](Scratch& scratch, int64_t p, int64_t next) {
-    if (next >= 0)  // the next panel's scales and zeros, a line a group each, far apart: fetched ahead
-      for (int64_t g = 0; g < 2 * G; ++g) _mm_prefetch(reinterpret_cast<const char*>(sz + g * n + next * 16), _MM_HINT_T0);
+    if (next >= 0)  // the next panel's scales and zeros, two lines a group, groups far apart: fetched ahead
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < 32; c += 64 / static_cast<int64_t>(sizeof(T)))
+          _mm_prefetch(reinterpret_cast<const char*>(sz + (g * n + next * 16) * 2 + c), _MM_HINT_T0);
     scratch.terms.resize(static_cast<size_t>(G * 32));
-    w4a8_panel_terms(sz, n, G, p * 16, scratch.terms.data());
+    int4_panel_terms(sz, n, G, p * 16, scratch.terms.data());
     const uint8_t* panel = wp + p * K * 8;
     for (int64_t m = 0; m < M; m += kRows) {
-      const int8_t* xq = rows.q.data() + m * K;
+      const int8_t* xq = tiles.data() + m * K;
       const float* xm = xsum.data() + m * G;
       const float* sx = rows.scale.data() + m;
       T* om = op + m * n;
@@ -4369,9 +4364,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                   w.size(1) * 16 == K,
               "w4a8_linear: w must be int4 quads (P, K / 16, 4, 32) for this x");
   TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == x.scalar_type() &&
-                  scale_zeros.size(1) == 2 && scale_zeros.size(0) > 0 && K % (32 * scale_zeros.size(0)) == 0,
-              "w4a8_linear: scale_zeros (G, 2, N) in x's dtype, groups of a multiple of 32 inputs");
-  const int64_t P = w.size(0), n = scale_zeros.size(2), G = scale_zeros.size(0);
+                  scale_zeros.size(2) == 2 && scale_zeros.size(0) > 0 && K % (32 * scale_zeros.size(0)) == 0,
+              "w4a8_linear: scale_zeros (G, N, 2) in x's dtype, groups of a multiple of 32 inputs");
+  const int64_t P = w.size(0), n = scale_zeros.size(1), G = scale_zeros.size(0);
   TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "w4a8_linear: the quads do not hold N columns");
   const float* bp = bias_ptr(bias, n, "w4a8_linear");
   at::Tensor out = at::empty({M, n}, x.options());
