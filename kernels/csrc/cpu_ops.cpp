@@ -4060,6 +4060,13 @@ inline __m256 int4_group_step(__m256 acc, __m256 s, __m256 z8, __m256 xg, __m256
   return _mm256_fmadd_ps(xg, z8, _mm256_fmadd_ps(acc, s, y));
 }
 
+// bias[c0 .. c0 + valid - 1] in 8 lanes (zero past valid, or all zero without a bias)
+inline __m256 bias8(const float* bias, int64_t c0, int valid) {
+  alignas(32) float bb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int c = 0; bias && c < valid; ++c) bb[c] = bias[c0 + c];
+  return _mm256_load_ps(bb);
+}
+
 // y (16 columns of each of MR rows, from n0) + bias into out, the columns below N.
 template <int MR>
 inline void int4_store(const float (*y)[16], int64_t n0, int64_t N, float* out, int64_t os, const float* bias) {
@@ -4067,9 +4074,8 @@ inline void int4_store(const float (*y)[16], int64_t n0, int64_t N, float* out, 
     const int64_t c0 = n0 + 8 * h;
     const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
     if (valid <= 0) break;
-    alignas(32) float bb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int c = 0; bias && c < valid; ++c) bb[c] = bias[c0 + c];
-    for (int i = 0; i < MR; ++i) store8(out + i * os + c0, _mm256_add_ps(_mm256_loadu_ps(y[i] + 8 * h), _mm256_load_ps(bb)), valid);
+    const __m256 bv = bias8(bias, c0, valid);
+    for (int i = 0; i < MR; ++i) store8(out + i * os + c0, _mm256_add_ps(_mm256_loadu_ps(y[i] + 8 * h), bv), valid);
   }
 }
 
@@ -4285,9 +4291,7 @@ inline void w4a8_tile(const int8_t* xq, int64_t K, const float* xsum, int64_t G,
     const int64_t c0 = n0 + 8 * h;
     const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
     if (valid <= 0) break;
-    alignas(32) float bb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int c = 0; bias && c < valid; ++c) bb[c] = bias[c0 + c];
-    const __m256 bv = _mm256_load_ps(bb);
+    const __m256 bv = bias8(bias, c0, valid);
     for (int i = 0; i < MR; ++i)
       store8(out + i * N + c0, _mm256_fmadd_ps(y[h][i], _mm256_set1_ps(sx[i]), bv), valid);
   }

@@ -310,6 +310,15 @@ def test_int8_panels_equal_the_dequantized_product(ops, m, n, k, dtype):
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)
 
 
+def assert_matches_exact(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """An integer-activation product against its exact float64 value: bf16 to its rounding of the exact value,
+    float32 to fp32 sums (1e-5 of the largest output)."""
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 32), (600, 96), (16, 1536)])
@@ -342,10 +351,7 @@ def test_w8a8_quads_equal_the_integer_product(ops, m, n, k, dtype):
             exact = exact + b.double()
         got = linear(x, placed, b)
         assert got.dtype == dtype and got.shape == (m, n)
-        if dtype == torch.bfloat16:
-            torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
-        else:
-            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+        assert_matches_exact(got, exact)
     assert torch.equal(int8_rows(place(placed, "cpu")), q.qweight)  # placing again keeps the values
 
 
@@ -385,10 +391,7 @@ def test_w4a8_quads_equal_the_integer_product(ops, m, n, k, group, dtype):
             exact = exact + b.double()
         got = linear(x, placed, b)
         assert got.dtype == dtype and got.shape == (m, n)
-        if dtype == torch.bfloat16:
-            torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=8e-3, atol=1e-6)
-        else:
-            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+        assert_matches_exact(got, exact)
         assert torch.equal(torch.cat([linear(x[i : i + 1], placed, b) for i in range(m)]), got)
     assert torch.equal(int4_values(place(placed, "cpu")), values)  # placing again keeps the values
 
