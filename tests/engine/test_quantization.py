@@ -266,7 +266,13 @@ def test_bad_quantization_settings_are_refused(make_model, tmp_path) -> None:
         LLM(src, num_kv_blocks=8, quantization="int4", quantization_group_size=128)
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
         EngineConfig(model=str(src), quantization="int3")
-    with pytest.raises(ValueError, match="applies to int4 only"):
-        EngineConfig(model=str(src), quantization="int8", quantization_group_size=32)
+    for method in ("int8", "w8a8"):
+        with pytest.raises(ValueError, match="applies to int4 and w4a8 only"):
+            EngineConfig(model=str(src), quantization=method, quantization_group_size=32)
+    # a GPTQ checkpoint runs as w4a8 when asked: its 4-bit weights, the inputs rounded to int8
+    w4a8 = LLM(tmp_path / "gptq", num_kv_blocks=8, quantization="w4a8", quantization_group_size=32).engine.runner
+    assert w4a8.quantization is not None and w4a8.quantization.describe() == "w4a8, group size 32 (GPTQ checkpoint)"
+    projections = [w for layer in w4a8.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert {(type(w).__name__, w.activations) for w in projections} == {("Int4Weight", "int8")}
     default = LLM(src, num_kv_blocks=8, quantization="int4").engine.runner.quantization
     assert default is not None and default.group_size == 64  # 128 does not divide hidden 64: the next one
