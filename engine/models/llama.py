@@ -104,7 +104,8 @@ def _native_operands(w: Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch
         return w.packed, None
     if isinstance(w, Int8Weight) and w.layout in ("panels", "quads") and w.scales.dtype == dtype:
         return w.qweight, w.scales
-    if isinstance(w, Int4Weight) and w.layout in ("panels", "quads") and w.scale_zeros.dtype == dtype:
+    if isinstance(w, Int4Weight) and w.scale_zeros.dtype == dtype and (
+            w.layout == "quads" or (w.layout == "panels" and w.activations == "float")):  # panels read x as it is
         return w.qweight, w.scale_zeros
     return None
 

@@ -4234,9 +4234,9 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // 2 * 15 * 127 = 3810, so 16 k (four of them) add up in int16 without saturating (4 * 2 * 1905 < 2^15)
 // before one VPMADDWD widens them: 16 k take five multiply-adds where w8a8's 8-bit weights, which saturate
 // int16 in one pair, take eight (on Zen 1 both run on one port at half the FMA rate: measured there, the bench
-// model's projections at 32-512 rows ran 1.1-1.3x fp32's GEMM, where w8a8's ran below it). The exact int32 sum of each 16 k goes y += s * sum in fp32, each group then adds
-// (z - 8 s) * (the row's sum of qx over the group), and y * sx + bias is stored; a row's operations do not
-// depend on the rows computed beside it.
+// model's projections at 32-512 rows ran 1.1-1.3x fp32's GEMM, where w8a8's ran below it). The exact int32
+// sum of each 16 k goes y += s * sum in fp32, each group then adds (z - 8 s) * (the row's sum of qx over the
+// group), and y * sx + bias is stored; a row's operations do not depend on the rows computed beside it.
 bool has_w4a8_linear() { return true; }
 
 // Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx. xq: the MR rows interleaved

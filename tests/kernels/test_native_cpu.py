@@ -6,6 +6,8 @@ back to the torch path would leave the engine's CPU serving path untested, so it
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -469,6 +471,9 @@ def test_silu_linear_equals_silu_mul_of_the_product(ops, m, tiles, amx_off):
              "w4a8-fp32": (place(quantize_int4(w, 32, torch.float32, activations="int8"), "cpu"), x.float())}
     if dense_cpu.can_pack(w.bfloat16()):  # a CPU without native bf16 keeps bf16 weights unpacked
         cases["bf16"] = (dense_cpu.pack(w.bfloat16()), x)
+    # int4 panels read x as it is: an int8-input weight in them runs op by op (its rows rounded first), never
+    # through the native layer's panel product
+    assert _native_operands(dataclasses.replace(cases["int4-fp32"][0], activations="int8"), torch.float32) is None
     ran = []
     for name, (packed, xi) in cases.items():
         operands = _native_operands(packed, xi.dtype)
