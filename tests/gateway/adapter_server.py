@@ -54,7 +54,13 @@ class AdapterServer:
                           files={"file": (filename, archive, "application/gzip")}, timeout=60)
 
     def stored_entries(self) -> set[str]:
-        """Every path under the adapter root (temporaries included), relative to it."""
+        """Every path under the adapter root (temporaries included), relative to it. The server removes its
+        temporary directories while a test may be walking them: a directory gone mid-walk starts the walk over."""
+        for _ in range(100):
+            try:
+                return {str(p.relative_to(self.adapter_root)) for p in self.adapter_root.rglob("*")}
+            except FileNotFoundError:
+                continue
         return {str(p.relative_to(self.adapter_root)) for p in self.adapter_root.rglob("*")}
 
     def records(self, tenant: str, name: str) -> list:
