@@ -12,11 +12,12 @@ Columns, measured the way each tool measures itself:
 
 Each loraplex precision sits next to the llama.cpp type of equal weight bits: float32-F32, bfloat16-F16 and
 BF16, int8-Q8_0 and w8a8-Q8_0 (Q8_0 also rounds activations to 8 bits, per block of 32 where w8a8 rounds per
-token), int4-Q4_0 and w4a8-Q4_0 (Q4_0's products also round activations to 8 bits: Q8_0 blocks of 32). KV caches: llama.cpp keeps f16 ones whatever the weights, loraplex its compute dtype unless
-told (--kv-cache-dtype), so "float32+kvbf16" is the F32 pair at equal cache bits too, and "+kv8" rows (int8
-caches) sit next to llama.cpp with q8_0 caches (-ctk/-ctv q8_0, flash attention on, which llama.cpp needs for a
-quantized V cache). Ratios are loraplex / llama.cpp (higher is better for loraplex in every
-column: the ms/token ratio is inverted). Systems run interleaved (each llama.cpp type, then its loraplex
+token), int4-Q4_0 and w4a8-Q4_0 (Q4_0's products also round activations to 8 bits: Q8_0 blocks of 32). KV
+caches: llama.cpp keeps f16 ones whatever the weights, loraplex its compute dtype unless told
+(--kv-cache-dtype), so "float32+kvbf16" and "w4a8+kvbf16" are the F32 and Q4_0 pairs at equal cache bits too,
+and "+kv8" rows (int8 caches) sit next to llama.cpp with q8_0 caches (-ctk/-ctv q8_0, flash attention on, which
+llama.cpp needs for a quantized V cache). Ratios are loraplex / llama.cpp (higher is better for loraplex in
+every column: the ms/token ratio is inverted). Systems run interleaved (each llama.cpp type, then its loraplex
 precision) so a burst of other work on a shared machine does not land on one side only.
 
     python -m bench.cpu_vs_llamacpp [--quick] [--skip-vllm]     (from the repository root)
@@ -42,15 +43,18 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
 # loraplex precision -> (EngineConfig fields, the llama.cpp types of equal weight bits). Quantized models
-# compute in the CPU's default dtype: bf16 with native bf16, float32 elsewhere (kernels.cpu_features).
+# compute in the CPU's default dtype: bf16 with native bf16, float32 elsewhere (kernels.cpu_features), and
+# hold the tied embedding table (the lm_head) as int8, as llama.cpp's Q8_0 and Q4_0 files hold it as Q8_0.
 PAIRS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "float32": ({"dtype": "float32"}, ("F32",)),
     "bfloat16": ({"dtype": "bfloat16"}, ("F16", "BF16")),
-    "int8": ({"dtype": "auto", "quantization": "int8"}, ("Q8_0",)),
-    "w8a8": ({"dtype": "auto", "quantization": "w8a8"}, ("Q8_0",)),
-    "int4": ({"dtype": "auto", "quantization": "int4"}, ("Q4_0",)),
-    "w4a8": ({"dtype": "auto", "quantization": "w4a8"}, ("Q4_0",)),
+    "int8": ({"dtype": "auto", "quantization": "int8", "quantize_lm_head": True}, ("Q8_0",)),
+    "w8a8": ({"dtype": "auto", "quantization": "w8a8", "quantize_lm_head": True}, ("Q8_0",)),
+    "int4": ({"dtype": "auto", "quantization": "int4", "quantize_lm_head": True}, ("Q4_0",)),
+    "w4a8": ({"dtype": "auto", "quantization": "w4a8", "quantize_lm_head": True}, ("Q4_0",)),
     "float32+kvbf16": ({"dtype": "float32", "kv_cache_dtype": "bfloat16"}, ("F32",)),
+    "w4a8+kvbf16": ({"dtype": "auto", "quantization": "w4a8", "quantize_lm_head": True, "kv_cache_dtype": "bfloat16"},
+                    ("Q4_0",)),
     "float32+kv8": ({"dtype": "float32", "kv_cache_dtype": "int8"}, ("F32+kvq8_0",)),
     "bfloat16+kv8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, ("BF16+kvq8_0",)),
 }
@@ -157,7 +161,7 @@ def main() -> None:
     llamacpp.build(("llama-bench", "llama-batched-bench", "llama-quantize"))
     precisions = args.only.split(",") if args.only else list(PAIRS)
     rows: list[dict] = []
-    measured: dict[str, dict] = {}  # llama.cpp rows by type, measured once per run (float32+kvbf16 reuses F32's)
+    measured: dict[str, dict] = {}  # llama.cpp rows by type, measured once per run (a +kvbf16 row reuses its type's)
     for precision in precisions:
         fields, types = PAIRS[precision]
         peer_rows = []

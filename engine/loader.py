@@ -11,8 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.config import CheckpointError, ModelConfig
-from engine.quantization import QuantizationSpec, is_linear_weight, quantize, read_gptq
-from kernels.quant import Weight
+from engine.quantization import QuantizationSpec, is_linear_weight, is_tied_table, quantize, read_gptq
+from kernels.quant import Weight, quantize_int8
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -73,7 +73,8 @@ def load_weights(
 
     With `quantization`, every linear weight (engine.quantization.is_linear_weight) comes back quantized
     instead: quantized here tensor by tensor as it is read (at most one full-precision fp32 copy of one
-    tensor at a time), or repacked from a GPTQ checkpoint's qweight/qzeros/scales.
+    tensor at a time), or repacked from a GPTQ checkpoint's qweight/qzeros/scales; and a tied embedding
+    table as int8 per row where the spec says so (tied_table_int8).
     """
     path = Path(model_dir)
     files = _weight_files(path)
@@ -100,6 +101,8 @@ def load_weights(
                 raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {shape}")
             if quantization is not None and quantization.source == "load" and is_linear_weight(name, cfg):
                 out[name] = quantize(t.float(), quantization, dtype)
+            elif quantization is not None and quantization.tied_table_int8 and is_tied_table(name, cfg):
+                out[name] = quantize_int8(t.float(), dtype)  # weight-only: the logits read x as it is
             else:
                 out[name] = t.to(dtype)
     return out

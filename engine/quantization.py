@@ -2,8 +2,9 @@
 
 Every linear layer is quantized: the seven projections of each decoder layer, and lm_head unless it is
 tied to the embedding table (the embedding lookup reads those rows, so a tied table stays in the
-activation dtype). Norms, biases and embeddings keep the activation dtype. The math and the kernels are
-in kernels.quant.
+activation dtype unless `--quantize-lm-head` asks for it as int8 per row, which the lookup and the lm_head
+then both read). Norms, biases and untied embeddings keep the activation dtype. The math and the kernels
+are in kernels.quant.
 
 - `--quantization int8 | int4` quantizes a full-precision checkpoint tensor by tensor as it is read
   (weight-only: the activations stay in their dtype); `w8a8` quantizes the weights as int8 does and has
@@ -17,6 +18,7 @@ in kernels.quant.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,15 +47,26 @@ class QuantizationSpec:
     group_size: int | None  # int4/w4a8: per group of in_features; None for int8 and w8a8 (per output channel)
     source: Literal["load", "gptq"] = "load"
     checkpoint_format: str = "gptq"  # GPTQ only
+    tied_table_int8: bool = False  # a tied embedding table (and so the lm_head) as int8 per row
 
     def describe(self) -> str:
         group = f", group size {self.group_size}" if self.group_size and self.group_size > 0 else ""
-        return f"{self.method}{group}" + (" (GPTQ checkpoint)" if self.source == "gptq" else "")
+        return (f"{self.method}{group}" + (" (GPTQ checkpoint)" if self.source == "gptq" else "")
+                + (", tied lm_head int8" if self.tied_table_int8 else ""))
 
 
 def resolve(config: EngineConfig, model_config: ModelConfig) -> QuantizationSpec | None:
     """The quantization the engine runs `model_config` with (None: none). CheckpointError (one line) for a
     pre-quantized checkpoint of an unsupported kind or an int4 group size that does not fit the model."""
+    spec = _resolve(config, model_config)
+    if not config.quantize_lm_head:
+        return spec
+    if spec is None:
+        raise CheckpointError("--quantize-lm-head needs --quantization (or a GPTQ checkpoint)")
+    return dataclasses.replace(spec, tied_table_int8=model_config.tie_word_embeddings)
+
+
+def _resolve(config: EngineConfig, model_config: ModelConfig) -> QuantizationSpec | None:
     gptq = model_config.raw.get("quantization_config")
     if gptq is not None:
         return _resolve_gptq(gptq, config)
@@ -76,6 +89,11 @@ def resolve(config: EngineConfig, model_config: ModelConfig) -> QuantizationSpec
     if not fitting:
         raise CheckpointError(f"{method} needs in_features divisible by 32; this model has {features}")
     return QuantizationSpec(method, fitting[0])
+
+
+def is_tied_table(name: str, cfg: ModelConfig) -> bool:
+    """True for the embedding table a tied lm_head reads (QuantizationSpec.tied_table_int8 holds it as int8)."""
+    return name == "model.embed_tokens.weight" and cfg.tie_word_embeddings
 
 
 def is_linear_weight(name: str, cfg: ModelConfig) -> bool:

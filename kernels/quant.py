@@ -34,7 +34,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel and the Triton 
 Weight = torch.Tensor | QuantizedWeight | PackedDense  # what a model's projection holds
 __all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "PackedDense", "QuantizedWeight", "Weight", "concat",
            "dequantize", "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place",
-           "quantize_int4", "quantize_int8", "round_rows_int8"]
+           "quantize_int4", "quantize_int8", "round_rows_int8", "rows"]
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,6 +108,22 @@ def int8_rows(w: Int8Weight) -> torch.Tensor:
     if w.layout == "quads":
         return dense_cpu.unquads(w.qweight, w.shape[0])
     return dense_cpu.unpanel(w.qweight, w.shape[0]) if w.layout == "panels" else w.qweight
+
+
+def rows(w: Int8Weight, ids: torch.Tensor) -> torch.Tensor:
+    """W[ids]: (T,) row ids -> (T, K) in the scales' dtype, an embedding lookup in an int8 table (a tied
+    lm_head's). Semantics: dequantize(w, scales' dtype)[ids], read from the rows' own bytes in any layout."""
+    qw, n = w.qweight, ids.shape[0]
+    if w.layout == "panels":  # (P, K, 16) single k, or (P, K / 2, 16, 2) k pairs
+        p, j = ids // dense_cpu.PANEL, ids % dense_cpu.PANEL
+        q = (qw[p, :, j] if qw.dim() == 3 else qw[p, :, j, :]).reshape(n, w.shape[1])
+    elif w.layout == "quads":  # (P, K / 4, 16, 4) uint8, q + 128
+        p, j = ids // dense_cpu.PANEL, ids % dense_cpu.PANEL
+        q = (qw[p, :, j, :].reshape(n, w.shape[1]).to(torch.int16) - 128).to(torch.int8)
+    else:
+        q = qw[ids]
+    dtype = w.scales.dtype
+    return q.to(dtype) * w.scales[ids].to(dtype)[:, None]
 
 
 def round_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

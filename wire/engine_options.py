@@ -7,9 +7,9 @@ import argparse
 
 
 def add_engine_options(group: argparse._ArgumentGroup) -> None:
-    """--device, --dtype, --kv-cache-dtype, --kv-cache-memory-gb, --max-num-seqs, --max-loras, --max-lora-rank, --quantization,
-    --quantization-group-size, --decode-graphs (EngineConfig fields of the same names), and --threads (the
-    worker process's intra-op threads)."""
+    """--device, --dtype, --kv-cache-dtype, --kv-cache-memory-gb, --max-num-seqs, --max-loras, --max-lora-rank,
+    --quantization, --quantization-group-size, --quantize-lm-head, --decode-graphs (EngineConfig fields of the
+    same names), and --threads (the worker process's intra-op threads)."""
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--dtype", default="auto")
     group.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "int8"), default="auto",
@@ -28,6 +28,10 @@ def add_engine_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--quantization-group-size", type=int, default=None,
                        help="int4 / w4a8 group size: 32, 64, 128 or 256 (default: the largest of 128/64/32 "
                             "that fits)")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantization (or a GPTQ checkpoint): also hold a tied embedding table as "
+                            "int8 per row, read by the embedding lookup and the lm_head (an untied lm_head is "
+                            "quantized either way)")
     group.add_argument("--decode-graphs", choices=("auto", "on", "off"), default="auto",
                        help="decode steps through fixed-size buckets, replayed as CUDA graphs on a GPU "
                             "(auto: on for CUDA, off on the CPU)")

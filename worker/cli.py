@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                               quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                              quantize_lm_head=args.quantize_lm_head,
                               decode_graphs=decode_graphs_value(args.decode_graphs))
         if config.kv_cache_dtype != "auto":  # refuse a cache the compute dtype cannot use before building
             config.kv_cache_torch_dtype(ModelConfig.from_pretrained(config.model))

@@ -25,6 +25,7 @@ from kernels.attention import NATIVE_CACHE_DTYPES, StepAttentionPlan, paged_atte
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, silu_mul
 from kernels.lora_meta import LoRABatchMeta
 from kernels.quant import Int4Weight, Int8Weight, Weight, concat, dequantize, linear, nbytes, place
+from kernels.quant import rows as quant_rows
 
 
 class LoRAContext(Protocol):
@@ -137,7 +138,14 @@ class LlamaModel:
         then placed on `device` in the layout its kernels read."""
         self.cfg = cfg
         w = weights
-        self.embed: torch.Tensor | dense_cpu.PackedDense = _dense(w["model.embed_tokens.weight"], device)  # (V, H)
+        table = w["model.embed_tokens.weight"]  # (V, H)
+        self.embed: torch.Tensor | dense_cpu.PackedDense | Int8Weight
+        if isinstance(table, Int8Weight):  # a tied table held as int8 (--quantize-lm-head): one copy for both
+            placed = place(table, device)
+            assert isinstance(placed, Int8Weight)
+            self.embed = placed
+        else:
+            self.embed = _dense(table, device)
         self.lm_head: Weight = self.embed if cfg.tie_word_embeddings else place(w["lm_head.weight"], device)
         if cfg.tie_word_embeddings and isinstance(self.embed, torch.Tensor) and dense_cpu.has_row_access(self.embed):
             # one copy serves both: bf16 panels for the lm_head's matmul, and rows for the embedding lookup
@@ -216,7 +224,7 @@ class LlamaModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
     @property
     def weight_bytes(self) -> int:
@@ -360,6 +368,8 @@ class LlamaModel:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, dense_cpu.PackedDense):
             return dense_cpu.rows(self.embed, input_ids)
+        if isinstance(self.embed, Int8Weight):
+            return quant_rows(self.embed, input_ids)
         return F.embedding(input_ids, self.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

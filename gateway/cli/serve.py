@@ -75,6 +75,7 @@ def worker_command(args: argparse.Namespace, model: Path, served_name: str, port
         "--quantization", args.quantization, "--decode-graphs", args.decode_graphs,
         *(["--threads", str(args.threads)] if args.threads else []),
         *(["--quantization-group-size", str(args.quantization_group_size)] if args.quantization_group_size else []),
+        *(["--quantize-lm-head"] if args.quantize_lm_head else []),
         *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []),
     ])
 

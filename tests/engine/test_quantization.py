@@ -20,6 +20,7 @@ import torch
 from demo.checkpoint import FAMILIES
 from engine import LLM, SamplingParams
 from engine.config import CheckpointError, EngineConfig
+from kernels.quant import Int8Weight
 from tests.engine.lora_peft import ALL_PROJECTIONS, PeftReference, make_peft_adapter, random_prompts
 from tests.engine.mixed_workload import check_prefix_cache_grammar_and_preemption
 from tests.engine.quant_reference import (
@@ -118,6 +119,32 @@ def test_weight_bytes_count_what_stays_resident(make_model, family) -> None:
     assert rest4 == rest * size // 2  # embeddings and norms: in the activation dtype too
     w4a8 = LLM(model_dir, num_kv_blocks=8, quantization="w4a8", quantization_group_size=32).engine.runner
     assert w4a8.dtype == int4.dtype and w4a8.weight_bytes == int4.weight_bytes
+
+
+@pytest.mark.parametrize(("method", "dtype"), [("int4", "float32"), ("w4a8", "float32"), ("int8", "bfloat16")])
+def test_a_tied_table_held_as_int8_serves_the_lookup_and_the_lm_head(make_model, method, dtype) -> None:
+    """--quantize-lm-head: a tied embedding table is one int8 copy (per row), read by the embedding lookup and
+    the lm_head; the model then computes exactly with its dequantized weights, embedding included (the
+    reference ties its lm_head to that table too). An untied model is left as it is."""
+    model_dir = make_model("qwen2")  # tied, with the native layer (no q/k norms)
+    plain = LLM(model_dir, dtype=dtype, num_kv_blocks=16, **METHODS[method])
+    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=16, quantize_lm_head=True, **METHODS[method])
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    assert isinstance(model.embed, Int8Weight) and model.lm_head is model.embed
+    assert runner.quantization is not None and runner.quantization.describe().endswith(", tied lm_head int8")
+    mc, size = runner.model_config, runner.dtype.itemsize
+    table = mc.vocab_size * mc.hidden_size
+    assert runner.weight_bytes == plain.engine.runner.weight_bytes - table * size + table + mc.vocab_size * size
+    hf = hf_reference(model_dir, llm, method)
+    for prompt in random_prompts(1000, [8, 40], seed=3):
+        got = runner.prefill_logits(prompt)
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor([prompt])).logits[0].float()
+        tol = W8A8_FP32_TOL if method in INT8_INPUTS and dtype == "float32" else LOGIT_TOL[dtype]
+        assert (got - want).abs().max().item() <= tol, (method, dtype, len(prompt))
+    untied = LLM(make_model("llama"), num_kv_blocks=8, quantize_lm_head=True, **METHODS[method]).engine.runner
+    assert untied.quantization is not None and not untied.quantization.tied_table_int8
+    assert not isinstance(untied.model.embed, Int8Weight)
 
 
 # ----- LoRA on a quantized base ---------------------------------------------------------------------------
@@ -264,6 +291,8 @@ def test_bad_quantization_settings_are_refused(make_model, tmp_path) -> None:
             LLM(tmp_path / "gptq", num_kv_blocks=8, **kwargs)
     with pytest.raises(CheckpointError, match="int4 group size 128 does not divide in_features 64"):
         LLM(src, num_kv_blocks=8, quantization="int4", quantization_group_size=128)
+    with pytest.raises(CheckpointError, match="--quantize-lm-head needs --quantization"):
+        LLM(src, num_kv_blocks=8, quantize_lm_head=True)
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
         EngineConfig(model=str(src), quantization="int3")
     for method in ("int8", "w8a8"):

@@ -114,12 +114,13 @@ def test_serve_passes_engine_flags_to_its_worker():
     from gateway.cli.serve import worker_command
 
     args = build_parser({}).parse_args(["serve", "--threads", "3", "--decode-graphs", "on", "--quantization", "int8",
-                                        "--kv-cache-dtype", "int8"])
+                                        "--kv-cache-dtype", "int8", "--quantize-lm-head"])
     argv = worker_command(args, Path("/models/m"), "m", 8123)
     parsed = worker_cli.build_parser({}).parse_args(argv[argv.index("worker") + 1:])
-    assert (parsed.threads, parsed.decode_graphs, parsed.quantization, parsed.kv_cache_dtype, parsed.port) == (
-        3, "on", "int8", "int8", 8123)
+    assert (parsed.threads, parsed.decode_graphs, parsed.quantization, parsed.kv_cache_dtype, parsed.port,
+            parsed.quantize_lm_head) == (3, "on", "int8", "int8", 8123, True)
     assert build_parser({}).parse_args(["serve"]).kv_cache_dtype == "auto"
+    assert not build_parser({}).parse_args(["serve"]).quantize_lm_head
     assert build_parser({}).parse_args(["serve"]).threads is None  # torch's default unless asked
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["serve", "--threads", "0"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quant, quant_cpu
+from kernels import dense_cpu, quant, quant_cpu
 from kernels.quant import Int4Weight, Int8Weight, dequantize, int4_values, linear, linear_ref, place
 
 # (out_features, in_features): one full 64-row block, tails of 48 and 16 rows after full blocks, a lone tail.
@@ -42,6 +42,22 @@ def test_int8_rounds_each_row_to_within_half_a_step() -> None:
     assert ((dequantize(q) - w).abs() <= step / 2 + 1e-6).all()
     assert torch.allclose(q.scales, w.abs().amax(1) / 127)
     assert q.nbytes == 40 * 96 + 40 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_table_rows_read_every_layout(dtype: torch.dtype) -> None:
+    """An embedding lookup in an int8 table (a tied lm_head held as int8): each layout's rows are exactly the
+    dequantized rows, N not a multiple of the 16-row panels, ids repeated and out of order."""
+    q = quant.quantize_int8(weight(37, 24, seed=5), dtype)
+    ids = torch.tensor([36, 0, 17, 17, 15, 16, 3])
+    want = dequantize(q, dtype)[ids]
+    layouts = [q, place(q, "cpu"),
+               Int8Weight(dense_cpu.panel(q.qweight, pairs=False), q.scales, "panels"),
+               Int8Weight(dense_cpu.panel(q.qweight, pairs=True), q.scales, "panels"),
+               Int8Weight(dense_cpu.quads(q.qweight), q.scales, "quads", "int8")]
+    for w in layouts:
+        got = quant.rows(w, ids)
+        assert got.dtype == dtype and torch.equal(got, want), w.layout
 
 
 def test_int8_activations_round_each_row_to_within_half_a_step() -> None:
