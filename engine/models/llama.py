@@ -177,6 +177,10 @@ class LlamaModel:
         self._native_prefill = False  # whether it also runs steps with prefill chunks (native prefill attention)
         self._no_rows = torch.empty(0, dtype=torch.int64)  # a step's decode rows and ids when it has none
         self._silu_linear: Any = None  # torch.ops.loraplex_cpu.silu_linear where a layer has gate_up_native
+        # torch.ops.loraplex_cpu.layers_forward (every layer in one call) beside _native_layer, with its
+        # weight lists (built once)
+        self._native_layers: Any = None
+        self._stack_args: tuple[Any, ...] = ()
         if torch.device(device).type == "cpu" and (ops := native_cpu.ops()) is not None:
             for layer in self.layers:
                 layer.gate_up_native = _native_operands(layer.gate_up, self.dtype)
@@ -188,6 +192,23 @@ class LlamaModel:
             if ops is not None:
                 self._native_layer = ops.layer_forward.default
                 self._native_prefill = ops.has_prefill_attention() and cfg.head_dim in (64, 128)
+                self._native_layers = ops.layers_forward.default
+                self._stack_args = self._layer_stack_args()
+
+    def _layer_stack_args(self) -> tuple[Any, ...]:
+        """layers_forward's weight lists: every layer's native_args, flattened as the op slices them."""
+        weights: list[torch.Tensor] = []
+        extras: list[torch.Tensor | None] = []
+        widths: list[int] = []
+        norms: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            assert layer.native_args is not None
+            qkv_w, qkv_s, qkv_b, o_w, o_s, gu_w, gu_s, down_w, down_s, ns, post_norm = layer.native_args
+            weights += [qkv_w, o_w, gu_w, down_w]
+            extras += [qkv_s, qkv_b, o_s, gu_s, down_s]
+            widths += ns
+            norms += [post_norm, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm]
+        return weights, extras, widths, norms
 
     def _weights_to_huge_pages(self) -> None:
         """Move what a decode step streams (the projections and the lm_head, in native panels: tensors made
@@ -282,20 +303,31 @@ class LlamaModel:
         # x: the residual stream (T, H), owned here (add_rms_norm may update it in place); h: a norm of it
         x, h = add_rms_norm(self._embed(input_ids), None, layers[0].input_norm, eps)
         native = self._native_step_inputs(n_tok, attn, kv_caches)
-        if native is not None:  # one native call per layer (the ops below, in C++)
+        if native is not None:  # the ops below in C++: one call for every layer, or one per layer
             cos2, sin2 = cos.reshape(n_tok, cfg.head_dim), sin.reshape(n_tok, cfg.head_dim)
             slots = None if lora is None else lora.meta.token_slots
             no_lora: tuple[list[torch.Tensor], list[int]] = ([], [])
+            step = (*native, cfg.num_heads, self.scale, cfg.sliding_window or 0)
+            per_layer = None if lora is None else [lora.native_layer_args(i, self.dtype) for i in range(len(layers))]
+            if self._native_layers is not None and (per_layer is None or all(a is not None for a in per_layer)):
+                lora_tensors: list[torch.Tensor] = []
+                lora_groups: list[int] = []
+                for adds in per_layer or ():
+                    assert adds is not None
+                    lora_tensors += adds[0]
+                    lora_groups += [len(adds[1]), *adds[1]]
+                k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+                return self._native_layers(x, h, *self._stack_args, eps, cos2, sin2, k_caches, v_caches,
+                                           attn.slot_mapping, *step, lora_tensors, lora_groups, slots)
             for i, layer in enumerate(layers):
                 next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
                 assert layer.native_args is not None
-                adds = no_lora if lora is None else lora.native_layer_args(i, self.dtype)
+                adds = no_lora if per_layer is None else per_layer[i]
                 if adds is None:  # an adapter group the native kernel does not run: this layer op by op
                     x, h = self._layer(i, layer, x, h, n_tok, cos, sin, kv_caches, attn, lora, next_norm)
                     continue
                 h = self._native_layer(x, h, *layer.native_args, next_norm, eps, cos2, sin2, *kv_caches[i],
-                                       attn.slot_mapping, *native, cfg.num_heads, self.scale, cfg.sliding_window or 0,
-                                       *adds, slots)
+                                       attn.slot_mapping, *step, *adds, slots)
             return h
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm

@@ -206,13 +206,13 @@ def test_the_native_layer_runs_adapters_in_prefill_and_mixed_steps_bit_for_bit(m
 
 def _each_step_both_ways(llm: LLM, prompts: list[list[int]], adapters: list[str | None] | None = None
                          ) -> tuple[collections.Counter[str], int]:
-    """Greedy-generate `prompts`, running every step through the native layer and then op by op (which
-    rewrites the same keys and values); asserts equal hidden states in every step and whole outputs. Returns
-    the kinds of steps seen ("... op by op" where the native layer did not run) and the most adapter slots
-    one step used."""
+    """Greedy-generate `prompts`, running every step three ways: all layers in one native call
+    (layers_forward), one native call per layer (layer_forward), then op by op (each rewrites the same keys
+    and values); asserts equal hidden states in every step and whole outputs. Returns the kinds of steps seen
+    ("... op by op" where the native layers did not run) and the most adapter slots one step used."""
     model = llm.engine.runner.model
-    native, forward = model._native_layer, model.forward
-    assert native is not None and model._native_prefill
+    native, stack, forward = model._native_layer, model._native_layers, model.forward
+    assert native is not None and stack is not None and model._native_prefill
     kinds: collections.Counter[str] = collections.Counter()
     unequal: list[str] = []
     slots = [0]
@@ -220,23 +220,29 @@ def _each_step_both_ways(llm: LLM, prompts: list[list[int]], adapters: list[str 
     def both_ways(input_ids, positions, kv_caches, attn, lora=None):
         calls = []
 
-        def counted(*args):
-            calls.append(1)
-            return native(*args)
+        def counted(op):
+            def call(*args):
+                calls.append(op)
+                return op(*args)
+            return call
 
-        model._native_layer = counted
+        model._native_layer, model._native_layers = counted(native), counted(stack)
         fused = forward(input_ids, positions, kv_caches, attn, lora)
+        model._native_layers = None
+        per_layer = forward(input_ids, positions, kv_caches, attn, lora)
         model._native_layer = None
         plain = forward(input_ids, positions, kv_caches, attn, lora)
-        model._native_layer = native
+        model._native_layer, model._native_layers = native, stack
         starts = attn.plan.starts
         chunks = sum(starts[i + 1] - starts[i] > 1 for i in range(len(starts) - 1))
         decodes = len(attn.plan.decode_seqs)
         kind = "mixed" if chunks and decodes else "prefill" if chunks else "decode"
-        kinds[kind + ("" if calls else " op by op")] += 1
+        # one stack call, then one call per layer
+        ran = calls == [stack] + [native] * len(model.layers)
+        kinds[kind + ("" if ran else " op by op")] += 1
         slots.append(0 if lora is None else len(lora.meta.active_slots))
-        if not torch.equal(fused, plain):  # noted, not raised: the engine would fail the step's requests
-            unequal.append(kind)
+        if not (torch.equal(fused, plain) and torch.equal(per_layer, plain)):  # noted, not raised: the engine
+            unequal.append(kind)  # would fail the step's requests
         return fused
 
     model.forward = both_ways

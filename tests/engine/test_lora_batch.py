@@ -118,13 +118,16 @@ def _native_layer_against_op_by_op(four_adapters, dtype):
         for name, ref in refs.items():
             llm.load_adapter(name, ref.path)
         model = llm.engine.runner.model
-        native, calls = model._native_layer, []
+        calls: list[int] = []
 
-        def counted(*args, native=native, calls=calls):
-            calls.append(len(args[-3]))  # the LoRA operands passed
-            return native(*args)
+        def counted(op, calls=calls):
+            def call(*args):
+                calls.append(len(args[-3]))  # the LoRA operands passed (layer_forward and layers_forward alike)
+                return op(*args)
+            return call
 
-        model._native_layer = counted if fused else None
+        model._native_layer = counted(model._native_layer) if fused else None
+        model._native_layers = counted(model._native_layers) if fused else None
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
         runs.append([(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs])
         assert (fused and any(calls)) or (not fused and not calls)  # adapters went through the native layer
