@@ -241,17 +241,18 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _W8A8_LINEAR(x2, qweight, scales, b).view(*x.shape[:-1], scales.shape[0])
 
 
-def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,
+def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias over int4 quads (kernels.quant_cpu.pack_int4_quads) with their (G, N, 2) scales and
-    zeros in x's dtype (bf16 or float32), x rounded to int8 per row here (kernels.quant.round_rows_int8):
-    exact int32 sums of q * qx for each 16 inputs, then fp32 as in the kernel's comment, y in x's dtype.
+    """y = x @ W.T + bias over int4 quads (kernels.quant_cpu.pack_int4_quads) of N = n columns with their
+    scales and zeros in panel-major form (kernels.quant_cpu.pack_quads_scale_zeros) in x's dtype (bf16 or
+    float32), x rounded to int8 per row here (kernels.quant.round_rows_int8): exact int32 sums of q * qx for
+    each 16 inputs, then fp32 as in the kernel's comment, y in x's dtype.
 
     Semantics: the reference is kernels.quant.linear_ref of an int8-activation Int4Weight.
     """
     assert _W4A8_LINEAR is not None, "int4 quads are only made where the native ops run"
     x2, b = _rows(x, qweight.shape[1] * 16), _bias(bias)
-    return _W4A8_LINEAR(x2, qweight, scale_zeros, b).view(*x.shape[:-1], scale_zeros.shape[1])
+    return _W4A8_LINEAR(x2, qweight, scale_zeros, n, b).view(*x.shape[:-1], n)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor,

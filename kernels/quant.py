@@ -33,8 +33,8 @@ from kernels.quant_weights import (
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel and the Triton kernel's K tiles support
 Weight = torch.Tensor | QuantizedWeight | PackedDense  # what a model's projection holds
 __all__ = ["INT4_GROUP_SIZES", "Int4Weight", "Int8Weight", "PackedDense", "QuantizedWeight", "Weight", "concat",
-           "dequantize", "int4_from_values", "int4_values", "linear", "linear_ref", "nbytes", "place",
-           "quantize_int4", "quantize_int8", "round_rows_int8", "rows"]
+           "dequantize", "int4_from_values", "int4_scale_zeros", "int4_values", "linear", "linear_ref", "nbytes",
+           "place", "quantize_int4", "quantize_int8", "round_rows_int8", "rows"]
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,7 +100,7 @@ def dequantize(w: QuantizedWeight | PackedDense, dtype: torch.dtype = torch.floa
         return dense_cpu.unpack(w).to(dtype)
     if isinstance(w, Int8Weight):
         return int8_rows(w).to(dtype) * w.scales.to(dtype)[:, None]
-    return dequantize_int4(int4_values(w), w.scale_zeros, w.group_size, dtype)
+    return dequantize_int4(int4_values(w), int4_scale_zeros(w), w.group_size, dtype)
 
 
 def int8_rows(w: Int8Weight) -> torch.Tensor:
@@ -134,6 +134,13 @@ def round_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = xf.abs().amax(dim=-1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     return torch.round(xf * inv[..., None]), amax / 127
+
+
+def int4_scale_zeros(w: Int4Weight) -> torch.Tensor:
+    """(G, N, 2) scales and zeros of w, whatever its layout (the quads hold them panel-major)."""
+    if w.layout == "quads":
+        return quant_cpu.unpack_quads_scale_zeros(w.scale_zeros, w.shape[0])
+    return w.scale_zeros
 
 
 def int4_values(w: Int4Weight) -> torch.Tensor:
@@ -226,12 +233,12 @@ def place(w: Weight, device: torch.device | str) -> Weight:
             return Int8Weight(dense_cpu.panel(q, pairs), w.scales.contiguous(), "panels")
         return Int8Weight(q, w.scales.to(device), activations=w.activations)
     if w.layout == "quads":  # back to the host form first; it may go to other quads or another layout
-        w = int4_from_values(int4_values(w), w.scale_zeros[..., 0], w.scale_zeros[..., 1], w.group_size,
-                             w.activations)
+        sz = int4_scale_zeros(w)
+        w = int4_from_values(int4_values(w), sz[..., 0], sz[..., 1], w.group_size, w.activations)
     cpu = device.type == "cpu" and w.layout == "nibbles"
     if cpu and w.activations == "int8" and dense_cpu.can_pack_w4a8(w.shape[1], w.group_size, w.scale_zeros.dtype):
-        return Int4Weight(quant_cpu.pack_int4_quads(int4_values(w)), w.scale_zeros.contiguous(), w.group_size,
-                          "quads", "int8")
+        return Int4Weight(quant_cpu.pack_int4_quads(int4_values(w)), quant_cpu.pack_quads_scale_zeros(w.scale_zeros),
+                          w.group_size, "quads", "int8", w.shape[0])
     if cpu and quant_cpu.can_pack_int4_panels(w):
         single_k = w.scale_zeros.dtype == torch.float32  # float32 activations read single-k panels
         return Int4Weight(quant_cpu.pack_int4_panels(int4_values(w), single_k), w.scale_zeros.contiguous(),

@@ -55,7 +55,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
             return _add_bias(_aten._weight_int8pack_mm(x.contiguous(), w.qweight, w.scales), bias)
         return F.linear(x, w.qweight.to(x.dtype) * w.scales[:, None], bias)
     if w.layout == "quads":  # int8 activations, where the native kernel runs (kernels.quant.place)
-        return dense_cpu.w4a8_linear(x, w.qweight, w.scale_zeros, bias)
+        return dense_cpu.w4a8_linear(x, w.qweight, w.scale_zeros, w.shape[0], bias)
     if w.layout == "panels":  # made for the scales' dtype (kernels.quant.place)
         return dense_cpu.int4_linear(x, w.qweight, w.scale_zeros, bias)
     if bf16 and w.layout == "cpu_int4pack" and tokens <= INT4_PACKED_MAX_TOKENS:
@@ -115,6 +115,24 @@ def unpack_int4_quads(packed: torch.Tensor, n: int) -> torch.Tensor:
     panels, blocks = packed.shape[:2]
     halves = torch.stack([packed & 15, packed >> 4], dim=3).view(panels, blocks * 4, 2, 8, 4)  # (P, K / 4, 2, 8, 4)
     return halves.permute(0, 2, 3, 1, 4).reshape(panels * dense_cpu.PANEL, blocks * 16)[:n].contiguous()
+
+
+def pack_quads_scale_zeros(scale_zeros: torch.Tensor) -> torch.Tensor:
+    """(G, N, 2) scales and zeros -> the quads' panel-major form (P, G, 2, 16): [p, g, 0, j] = scale and [p, g,
+    1, j] = zero of column 16 p + j in group g, zero past N. A panel's terms then sit in one G x 32 block the
+    kernel streams beside the panel's quads (in (G, N, 2) order each group's 16 columns were two lines far
+    from the next group's)."""
+    groups, n, _ = scale_zeros.shape
+    panels = -(-n // dense_cpu.PANEL)
+    padded = torch.zeros(groups, panels * dense_cpu.PANEL, 2, dtype=scale_zeros.dtype, device=scale_zeros.device)
+    padded[:, :n] = scale_zeros
+    return padded.view(groups, panels, dense_cpu.PANEL, 2).permute(1, 0, 3, 2).contiguous()
+
+
+def unpack_quads_scale_zeros(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The (G, N, 2) scales and zeros of `pack_quads_scale_zeros`'s output."""
+    panels, groups = packed.shape[:2]
+    return packed.permute(1, 0, 3, 2).reshape(groups, panels * dense_cpu.PANEL, 2)[:, :n].contiguous()
 
 
 def unpack_int4_panels(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -79,7 +79,8 @@ class Int4Weight:
                     q[16 p + j, 2t] (low nibble) and q[16 p + j, 2t + 1] (high).
     "quads":        (ceil(N / 16), K / 16, 4, 32) uint8, byte e of [p, b, t] holds q[16 p + e // 4, 16 b + 4 t +
                     e % 4] (low nibble) and q[16 p + 8 + e // 4, the same k] (high), zero past N: the CPU's
-                    native int4 x int8 kernel (AVX2), int8 activations only.
+                    native int4 x int8 kernel (AVX2), int8 activations only. Its scale_zeros are panel-major,
+                    (ceil(N / 16), G, 2, 16) (kernels.quant_cpu.pack_quads_scale_zeros), and `columns` is N.
     """
 
     qweight: torch.Tensor
@@ -87,17 +88,20 @@ class Int4Weight:
     group_size: int
     layout: Int4Layout = "nibbles"
     activations: Literal["float", "int8"] = "float"
+    columns: int = 0  # N, for the quads layout (its scale_zeros are padded to whole panels)
 
     def __post_init__(self) -> None:
         if self.layout == "quads" and self.activations != "int8":
             raise ValueError("the int4 quads layout is read with int8 activations only")
+        if self.layout == "quads" and (self.scale_zeros.dim() != 4 or self.columns <= 0):
+            raise ValueError("int4 quads take panel-major (P, G, 2, 16) scale_zeros and their column count")
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.layout == "panels":  # k-pair panels hold 4 k a byte row of 32, single-k panels 2 in one of 16
             return (self.scale_zeros.shape[1], (2 if self.qweight.shape[2] == 16 else 4) * self.qweight.shape[1])
         if self.layout == "quads":
-            return (self.scale_zeros.shape[1], 16 * self.qweight.shape[1])
+            return (self.columns, 16 * self.qweight.shape[1])
         return (self.qweight.shape[0], 2 * self.qweight.shape[1])
 
     @property

@@ -978,7 +978,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     std::vector<int32_t> pairs;  // the probabilities in pairs: int16 (int8 caches), bf16 (bf16 caches)
     std::vector<int64_t> offs;  // the cache offsets of a sequence's positions
   };
-  parallel_stealing<Scratch>(B * Hkv, [&](Scratch& scratch, int64_t item, int64_t) {
+  parallel_stealing(B * Hkv, [&](int64_t item, int64_t) {
+    thread_local Scratch scratch;  // each thread's, kept from call to call (a step makes one call a layer)
     auto& [scores, pairs, offs] = scratch;
     float qf[kMaxGroup * kMaxHeadDim];
     [[maybe_unused]] alignas(64) bf16 qh[kMaxGroup * kMaxHeadDim];  // AVX-512 builds only
@@ -4241,16 +4242,16 @@ bool has_w4a8_linear() { return true; }
 
 // Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx. xq: the MR rows interleaved
 // by 16 k (w4a8_run), so one pointer walks them.
-template <int MR, int H>
+template <int MR, int H, class S>
 inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __restrict xsum, int64_t G,
-                      const uint8_t* __restrict panel, const float* __restrict terms, __m256* __restrict out) {
+                      const uint8_t* __restrict panel, const S* __restrict sz, __m256* __restrict out) {
   const int64_t blocks = K / G / 16;  // of 16 k a group
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 y[MR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) y[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 s = _mm256_loadu_ps(terms + g * 32 + 8 * H);
+    const __m256 s = load8_f32(sz + g * 32 + 8 * H);  // the panel's scales of group g (bf16 widened exactly)
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
       // the block's 16 k widened once, then row by row, so one row's products are live at a time (all rows' at
       // once, GCC reassociated the sums into trees and kept the accumulators on the stack: 20 % slower)
@@ -4272,7 +4273,7 @@ inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __res
         y[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s, y[i]);
       }
     }
-    const __m256 z8 = _mm256_loadu_ps(terms + g * 32 + 16 + 8 * H);
+    const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_f32(sz + g * 32 + 16 + 8 * H));  // z - 8 s
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) y[i] = _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g), y[i]);
   }
@@ -4283,10 +4284,10 @@ inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __res
 // MR rows x one panel (from column n0), stored as y * sx + bias below N.
 template <int MR, class T>
 inline void w4a8_tile(const int8_t* xq, int64_t K, const float* xsum, int64_t G, const float* sx, const uint8_t* panel,
-                      const float* terms, int64_t n0, int64_t N, T* out, const float* bias) {
+                      const T* sz, int64_t n0, int64_t N, T* out, const float* bias) {
   __m256 y[2][MR];
-  w4a8_half<MR, 0>(xq, K, xsum, G, panel, terms, y[0]);
-  w4a8_half<MR, 1>(xq, K, xsum, G, panel, terms, y[1]);
+  w4a8_half<MR, 0>(xq, K, xsum, G, panel, sz, y[0]);
+  w4a8_half<MR, 1>(xq, K, xsum, G, panel, sz, y[1]);
   for (int h = 0; h < 2; ++h) {
     const int64_t c0 = n0 + 8 * h;
     const int valid = static_cast<int>(std::min<int64_t>(8, N - c0));
@@ -4300,12 +4301,21 @@ inline void w4a8_tile(const int8_t* xq, int64_t K, const float* xsum, int64_t G,
 template <class T>
 void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, int64_t P, int64_t n, const T* sz,
               int64_t G, const float* bias, T* op) {
-  RowsI8 rows;
+  // the calling thread's buffers, kept from call to call (they only grow): a batch-1 step makes ~120 of these
+  // calls, and their allocations showed in its profile
+  struct Buffers {
+    RowsI8 rows;
+    std::vector<int8_t> tiles;
+    std::vector<float> xsum;
+  };
+  thread_local Buffers buffers;
+  RowsI8& rows = buffers.rows;
   round_rows_i8_avx2(xp, xs, M, K, rows);
   constexpr int64_t kRows = 4;  // a half panel's 4 fp32 accumulators, a block's 4 q, a row's sum, s: 13 ymm
   // each tile's rows interleaved by 16 k: [k / 16][row][16], so a tile reads its rows through one pointer (with a
   // pointer per row the block loop ran out of general registers and reloaded them from the stack)
-  std::vector<int8_t> tiles(static_cast<size_t>(M * K));
+  std::vector<int8_t>& tiles = buffers.tiles;
+  tiles.resize(static_cast<size_t>(M * K));
   at::parallel_for(0, (M + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t m0 = tile * kRows, mr = std::min(kRows, M - m0);
@@ -4315,7 +4325,8 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
     }
   });
   const int64_t group = K / G;
-  std::vector<float> xsum(static_cast<size_t>(M * G));  // each row's sum of qx over each group (exact)
+  std::vector<float>& xsum = buffers.xsum;  // each row's sum of qx over each group (exact)
+  xsum.resize(static_cast<size_t>(M * G));
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     for (int64_t m = begin; m < end; ++m)
@@ -4333,33 +4344,25 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
         xsum[m * G + g] = static_cast<float>(total);
       }
   });
-  struct Scratch {
-    std::vector<float> terms;
-  };
-  parallel_stealing<Scratch>(P, [&](Scratch& scratch, int64_t p, int64_t next) {
-    if (next >= 0)  // the next panel's scales and zeros, two lines a group, groups far apart: fetched ahead
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < 32; c += 64 / static_cast<int64_t>(sizeof(T)))
-          _mm_prefetch(reinterpret_cast<const char*>(sz + (g * n + next * 16) * 2 + c), _MM_HINT_T0);
-    scratch.terms.resize(static_cast<size_t>(G * 32));
-    int4_panel_terms(sz, n, G, p * 16, scratch.terms.data());
+  parallel_stealing(P, [&](int64_t p, int64_t) {
     const uint8_t* panel = wp + p * K * 8;
+    const T* psz = sz + p * G * 32;  // the panel's scales and zeros, next to each other (a stream, as its quads)
     for (int64_t m = 0; m < M; m += kRows) {
       const int8_t* xq = tiles.data() + m * K;
       const float* xm = xsum.data() + m * G;
       const float* sx = rows.scale.data() + m;
       T* om = op + m * n;
       switch (std::min<int64_t>(kRows, M - m)) {
-        case 4: w4a8_tile<4>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
-        case 3: w4a8_tile<3>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
-        case 2: w4a8_tile<2>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
-        default: w4a8_tile<1>(xq, K, xm, G, sx, panel, scratch.terms.data(), p * 16, n, om, bias); break;
+        case 4: w4a8_tile<4>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+        case 3: w4a8_tile<3>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+        case 2: w4a8_tile<2>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+        default: w4a8_tile<1>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
       }
     }
   });
 }
 
-at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros,
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros, int64_t n,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "w4a8_linear: x (M, K) bfloat16 or float32, rows contiguous");
@@ -4367,10 +4370,12 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 4 && w.size(3) == 32 &&
                   w.size(1) * 16 == K,
               "w4a8_linear: w must be int4 quads (P, K / 16, 4, 32) for this x");
-  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == x.scalar_type() &&
-                  scale_zeros.size(2) == 2 && scale_zeros.size(0) > 0 && K % (32 * scale_zeros.size(0)) == 0,
-              "w4a8_linear: scale_zeros (G, N, 2) in x's dtype, groups of a multiple of 32 inputs");
-  const int64_t P = w.size(0), n = scale_zeros.size(1), G = scale_zeros.size(0);
+  const int64_t P = w.size(0);
+  TORCH_CHECK(scale_zeros.dim() == 4 && scale_zeros.is_contiguous() && scale_zeros.scalar_type() == x.scalar_type() &&
+                  scale_zeros.size(0) == P && scale_zeros.size(2) == 2 && scale_zeros.size(3) == 16 &&
+                  scale_zeros.size(1) > 0 && K % (32 * scale_zeros.size(1)) == 0,
+              "w4a8_linear: scale_zeros (P, G, 2, 16) in x's dtype, groups of a multiple of 32 inputs");
+  const int64_t G = scale_zeros.size(1);
   TORCH_CHECK(P * 16 >= n && P * 16 < n + 16, "w4a8_linear: the quads do not hold N columns");
   const float* bp = bias_ptr(bias, n, "w4a8_linear");
   at::Tensor out = at::empty({M, n}, x.options());
@@ -4386,7 +4391,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #else
 bool has_int4_linear_f32() { return false; }
 bool has_w4a8_linear() { return false; }
-at::Tensor w4a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+at::Tensor w4a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "w4a8_linear: this build has no AVX2 kernel (see has_w4a8_linear)");
   return at::Tensor();
 }
@@ -4407,7 +4412,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   }
   if (w.scalar_type() == at::kByte && w.dim() == 4 && w.size(3) == 32) {
     TORCH_CHECK(scales.has_value(), "layer_forward: a w4a8 projection needs its scales and zeros");
-    return w4a8_linear(x, w, *scales, bias);
+    return w4a8_linear(x, w, *scales, n, bias);
   }
   if (w.scalar_type() == at::kByte && w.dim() == 4) {
     TORCH_CHECK(scales.has_value(), "layer_forward: a w8a8 projection needs its scales");
@@ -4664,7 +4669,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_w8a8_linear_f32() -> bool", &has_w8a8_linear_f32);
   m.def("has_int8_linear_f32() -> bool", &has_int8_linear_f32);
   m.def("has_int4_linear_f32() -> bool", &has_int4_linear_f32);
-  m.def("w4a8_linear(Tensor x, Tensor w, Tensor scale_zeros, Tensor? bias) -> Tensor");
+  m.def("w4a8_linear(Tensor x, Tensor w, Tensor scale_zeros, int n, Tensor? bias) -> Tensor");
   m.def("has_w4a8_linear() -> bool", &has_w4a8_linear);
   m.def("layer_forward(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "

@@ -367,7 +367,15 @@ def test_w4a8_quads_equal_the_integer_product(ops, m, n, k, group, dtype):
     (and 0) against qx = +-127 for a whole row, 16 k of pair sums at 2 * 15 * 127 each before they widen.
     Against the exact product of the rounded rows and the dequantized weight (float64), scaled once, in x's
     dtype; each row alone equals the row in the batch, to the bit."""
-    from kernels.quant import dequantize, int4_from_values, int4_values, linear, place, round_rows_int8
+    from kernels.quant import (
+        dequantize,
+        int4_from_values,
+        int4_scale_zeros,
+        int4_values,
+        linear,
+        place,
+        round_rows_int8,
+    )
 
     if not ops.has_w4a8_linear():
         pytest.skip("no native int4 x int8 kernel here: w4a8 runs the rounded rows through the int4 path")
@@ -380,7 +388,9 @@ def test_w4a8_quads_equal_the_integer_product(ops, m, n, k, group, dtype):
     placed = place(q, "cpu")
     assert placed.layout == "quads" and placed.shape == (n, k) and placed.activations == "int8"
     assert torch.equal(int4_values(placed), values)
-    assert placed.nbytes == -(-n // 16) * 16 * k // 2 + q.scale_zeros.numel() * q.scale_zeros.element_size()
+    padded = -(-n // 16) * 16  # the quads and their panel-major scales and zeros hold whole panels
+    assert placed.nbytes == padded * k // 2 + padded * (k // group) * 2 * dtype.itemsize
+    assert torch.equal(int4_scale_zeros(placed), q.scale_zeros)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     x[0] = -2.0 if m % 2 else 2.0  # qx = +-127 at every k
     x[m // 2] = 0 if m > 1 else x[m // 2]  # its scale is 0: the row's products are 0 (plus the bias), not NaN

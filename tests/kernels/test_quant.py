@@ -118,6 +118,12 @@ def test_int4_quads_round_trip(n: int) -> None:
     assert torch.equal(quant_cpu.unpack_int4_quads(packed, n), values)
     assert packed[0, 0, 0, 0].item() == values[0, 0].item() | values[8, 0].item() << 4
     assert packed[0, 0, 1, 5].item() == values[1, 5].item() | values[9, 5].item() << 4  # column 5 // 4, k 4 + 5 % 4
+    # their scales and zeros, panel-major: one panel's groups in one block, zero past N
+    sz = torch.randn(2, n, 2, generator=torch.Generator().manual_seed(n + 1))
+    panel_sz = quant_cpu.pack_quads_scale_zeros(sz)
+    assert panel_sz.shape == (-(-n // 16), 2, 2, 16)
+    assert torch.equal(quant_cpu.unpack_quads_scale_zeros(panel_sz, n), sz)
+    assert panel_sz[0, 1, 0, 3] == sz[1, 3, 0] and panel_sz[-1, 0, 1, 15] == (sz[0, n - 1, 1] if n % 16 == 0 else 0)
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
