@@ -25,6 +25,7 @@ prefill chunks keep float32 probabilities.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +106,9 @@ def write_kv(
 class StepAttentionPlan:
     """The host-side part of one step's attention, identical for every layer: built once per step.
 
-    Which sequences decode (one query token) and their gathered block ids, row indices and key mask;
-    the query and sequence lengths of the prefill chunks. Torch path only (Triton reads the tensors).
+    Which sequences decode (one query token) and their row indices and ids; the query and sequence lengths
+    of the prefill chunks. The torch path's gathered block ids and key mask are made on first use (the
+    native kernels never read them; at batch 1 they were ~0.1 ms of every step). Triton reads the tensors.
     """
 
     starts: list[int]  # query_start_loc as a list
@@ -114,8 +116,9 @@ class StepAttentionPlan:
     decode_seqs: list[int]  # indices of the sequences with exactly one query token
     decode_rows: torch.Tensor | None  # (B,) rows of q for those sequences
     decode_ids: torch.Tensor | None  # (B,) int64 the sequences' indices (the native kernel's seq_ids)
-    decode_blocks: torch.Tensor | None  # (B * nb,) their block ids, flattened, padded to the longest
-    decode_masked: torch.Tensor | None  # (B, nb * block_size) True where a key is not visible
+    block_tables: torch.Tensor | None = None  # (S, max_blocks) the step's, for the torch path's gather
+    block_size: int = 0
+    sliding_window: int | None = None
 
     @classmethod
     def build(cls, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -123,22 +126,34 @@ class StepAttentionPlan:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
         if not decode:
-            return cls(starts, lens, decode, None, None, None, None)
+            return cls(starts, lens, decode, None, None)
         device = block_tables.device
-        n_blocks = (max(lens[i] for i in decode) + block_size - 1) // block_size
-        length = n_blocks * block_size
-        pos = torch.arange(length, device=device)
-        lens_t = torch.tensor([lens[i] for i in decode], device=device)
+        return cls(starts, lens, decode, decode_rows=torch.tensor([starts[i] for i in decode], device=device),
+                   decode_ids=torch.tensor(decode, dtype=torch.int64, device=device), block_tables=block_tables,
+                   block_size=block_size, sliding_window=sliding_window)
+
+    @functools.cached_property
+    def _decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.block_tables is not None and self.decode_seqs
+        lens = [self.seq_lens[i] for i in self.decode_seqs]
+        n_blocks = (max(lens) + self.block_size - 1) // self.block_size
+        device = self.block_tables.device
+        pos = torch.arange(n_blocks * self.block_size, device=device)
+        lens_t = torch.tensor(lens, device=device)
         masked = pos[None, :] >= lens_t[:, None]  # (B, L)
-        if sliding_window is not None:
-            masked |= pos[None, :] <= (lens_t[:, None] - 1 - sliding_window)
-        return cls(
-            starts, lens, decode,
-            decode_rows=torch.tensor([starts[i] for i in decode], device=device),
-            decode_ids=torch.tensor(decode, dtype=torch.int64, device=device),
-            decode_blocks=block_tables[decode, :n_blocks].reshape(-1),
-            decode_masked=masked,
-        )
+        if self.sliding_window is not None:
+            masked |= pos[None, :] <= (lens_t[:, None] - 1 - self.sliding_window)
+        return self.block_tables[self.decode_seqs, :n_blocks].reshape(-1), masked
+
+    @property
+    def decode_blocks(self) -> torch.Tensor:
+        """(B * nb,) the decode sequences' block ids, flattened, padded to the longest."""
+        return self._decode_gather[0]
+
+    @property
+    def decode_masked(self) -> torch.Tensor:
+        """(B, nb * block_size) True where a key is not visible to the decode row."""
+        return self._decode_gather[1]
 
 
 def paged_attention_ref(
@@ -176,7 +191,7 @@ def paged_attention_ref(
     k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
     attn = None
     if plan.decode_seqs:
-        assert plan.decode_rows is not None and plan.decode_blocks is not None and plan.decode_masked is not None
+        assert plan.decode_rows is not None
         b, length = plan.decode_masked.shape
         keys = _readable(k_heads.index_select(1, plan.decode_blocks), q.dtype).view(num_kv_heads * b, length, head_dim)
         values = _readable(v_heads.index_select(1, plan.decode_blocks), q.dtype).view(num_kv_heads * b, length,
