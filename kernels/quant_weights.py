@@ -72,7 +72,7 @@ class Int4Weight:
     "nibbles":      (N, K / 2) uint8, byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4. Host form, and CUDA's.
     "cpu_int4pack": (N, K / 2) uint8 in the blocked layout of torch's `_convert_weight_to_int4pack_for_cpu`
                     (blocks of 64 or 32 rows, depending on the CPU; kernels.quant_cpu reads it back).
-    "panels":       for the CPU's native kernels (scale_zeros as in every layout), in the activations' form:
+    "panels":       for the CPU's native kernels (scale_zeros (G, N, 2) as in the host form), in the activations' form:
                     bf16, (ceil(N / 16), K / 4, 32) uint8: byte e of [p, t] holds element e of k-pair 2t (low
                     nibble) and of k-pair 2t + 1 (high nibble), each k-pair's 32 elements in kernels.dense_cpu's
                     bf16 panel order; float32, single k (ceil(N / 16), K / 2, 16): byte [p, t, j] holds
@@ -84,7 +84,7 @@ class Int4Weight:
     """
 
     qweight: torch.Tensor
-    scale_zeros: torch.Tensor  # (K / group_size, N, 2) activation dtype: [..., 0] scale, [..., 1] zero
+    scale_zeros: torch.Tensor  # (K / group_size, N, 2) activation dtype: [..., 0] scale, [..., 1] zero (quads: above)
     group_size: int
     layout: Int4Layout = "nibbles"
     activations: Literal["float", "int8"] = "float"

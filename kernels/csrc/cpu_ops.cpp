@@ -4230,7 +4230,9 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // int4 group-wise weights, W[n, k] = (q - 8) s + z as int4_linear's, times the activations rounded to int8 per
 // row at the call, x ~ qx sx as w8a8_linear's (kernels.quant_weights.Int4Weight with int8 activations). Quads:
 // (P, K / 16, 4, 32) uint8, byte e of [p, b, t] holds q[16 p + e / 4, 16 b + 4 t + e % 4] (low nibble) and
-// q[16 p + 8 + e / 4, the same k] (high): one 32-byte load is 16 columns x 4 k, 8 columns a nibble.
+// q[16 p + 8 + e / 4, the same k] (high): one 32-byte load is 16 columns x 4 k, 8 columns a nibble. Their
+// scales and zeros are panel-major, (P, G, 2, 16): a panel's s and z of every group in one block, read as a
+// stream beside its quads (kernels.quant_cpu.pack_quads_scale_zeros).
 // VPMADDUBSW multiplies q (the unsigned operand, 0..15) by qx (signed): a pair of products is at most
 // 2 * 15 * 127 = 3810, so 16 k (four of them) add up in int16 without saturating (4 * 2 * 1905 < 2^15)
 // before one VPMADDWD widens them: 16 k take five multiply-adds where w8a8's 8-bit weights, which saturate
