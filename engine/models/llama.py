@@ -315,7 +315,7 @@ class LlamaModel:
                 for adds in per_layer or ():
                     assert adds is not None
                     lora_tensors += adds[0]
-                    lora_groups += [len(adds[1]), *adds[1]]
+                    lora_groups += adds[1]
                 k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
                 return self._native_layers(x, h, *self._stack_args, eps, cos2, sin2, k_caches, v_caches,
                                            attn.slot_mapping, *step, lora_tensors, lora_groups, slots)

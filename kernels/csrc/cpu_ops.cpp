@@ -4013,19 +4013,17 @@ at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 #if defined(LORAPLEX_F32_AVX2)
 bool has_int4_linear_f32() { return true; }
 
-// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N); sz float32, or
-// bf16 (w4a8_linear with bf16 x) widened exactly.
-template <class T>
-inline void int4_group_terms(const T* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
-  const T* p = sz + (g * n + n0) * 2;
-  alignas(32) T part[32];
+// Group g's terms of columns n0 .. n0 + 15: s and z - 8 s, 8 columns a vector (zero past N).
+inline void int4_group_terms(const float* sz, int64_t n, int64_t g, int64_t n0, __m256 s[2], __m256 z8[2]) {
+  const float* p = sz + (g * n + n0) * 2;
+  alignas(32) float part[32];
   if (n0 + 16 > n) {  // the last panel's columns past N: zero scale and zero
-    std::fill(part, part + 32, T(0.f));
-    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(T));
+    std::fill(part, part + 32, 0.f);
+    std::memcpy(part, p, static_cast<size_t>(n - n0) * 2 * sizeof(float));
     p = part;
   }
   for (int h = 0; h < 2; ++h) {  // (s, z) pairs of 8 columns -> s, z in column order
-    const __m256 a = load8_f32(p + 16 * h), b = load8_f32(p + 16 * h + 8);
+    const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
     s[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
     const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
     z8[h] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[h], z);  // 8 s is exact
@@ -4033,8 +4031,7 @@ inline void int4_group_terms(const T* sz, int64_t n, int64_t g, int64_t n0, __m2
 }
 
 // One panel's terms, group by group, into out (G x 32 floats): s[16], then z - 8 s [16].
-template <class T>
-void int4_panel_terms(const T* sz, int64_t n, int64_t G, int64_t n0, float* out) {
+void int4_panel_terms(const float* sz, int64_t n, int64_t G, int64_t n0, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 sv[2], zv[2];
     int4_group_terms(sz, n, g, n0, sv, zv);
@@ -4596,10 +4593,10 @@ at::Tensor layer_forward(at::Tensor x, const at::Tensor& h, const at::Tensor& qk
 // Every decoder layer of a step in one call: layer_forward layer by layer, each layer's arguments sliced from
 // flat lists the model builds once (its weights) and per step (its caches, its LoRA operands). A step then
 // pays one Python-to-C++ call for all layers instead of one per layer, each converting ~35 arguments (~0.5
-// ms of a ~9 ms batch-1 step on the bench model). Per layer: weights (qkv, o, gate_up, down), extras
+// ms of an ~8.6 ms batch-1 w4a8 step on the bench model). Per layer: weights (qkv, o, gate_up, down), extras
 // (qkv_s, qkv_b, o_s, gate_up_s, down_s), ns (the four widths), norms (post_norm, next_norm), k_caches and
-// v_caches (one each); lora_groups holds each layer's layer_forward lora_groups behind its length (0: no
-// adapter), and lora the layers' operands one after the other.
+// v_caches (one each); lora_groups holds every layer's layer_forward lora_groups one after the other (empty:
+// no adapter in the step), and lora the layers' operands likewise.
 at::Tensor layers_forward(at::Tensor x, at::Tensor h, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& extras, std::vector<int64_t> ns,
                           at::TensorList norms, double eps, const at::Tensor& cos, const at::Tensor& sin,
@@ -4614,20 +4611,17 @@ at::Tensor layers_forward(at::Tensor x, at::Tensor h, at::TensorList weights,
               "layers_forward: per layer 4 weights, 5 extras, 4 widths, 2 norms and one k and v cache");
   size_t at_group = 0, at_lora = 0;
   for (size_t i = 0; i < L; ++i) {
-    std::vector<int64_t> groups;
-    if (!lora_groups.empty()) {
-      TORCH_CHECK(at_group < lora_groups.size(), "layers_forward: lora_groups names every layer");
-      const int64_t len = lora_groups[at_group++];
-      TORCH_CHECK(len >= 0 && at_group + len <= lora_groups.size(), "layers_forward: bad lora_groups");
-      groups.assign(lora_groups.begin() + at_group, lora_groups.begin() + at_group + len);
-      at_group += len;
-    }
-    size_t tensors = 0;  // 4 per adapted group: layer_forward's lora_groups is (count, widths...) x 4
-    for (size_t g = 0, at = 0; g < 4 && at < groups.size(); ++g) {
-      const int64_t count = groups[at];
+    // the layer's (count, widths...) of its four groups, and 4 operands per adapted group
+    const size_t first = at_group;
+    size_t tensors = 0;
+    for (int g = 0; g < 4 && !lora_groups.empty(); ++g) {
+      TORCH_CHECK(at_group < lora_groups.size(), "layers_forward: lora_groups names four groups of every layer");
+      const int64_t count = lora_groups[at_group];
+      TORCH_CHECK(count >= 0 && at_group + 1 + count <= lora_groups.size(), "layers_forward: bad lora_groups");
       tensors += count > 0 ? 4 : 0;
-      at += 1 + std::max<int64_t>(count, 0);
+      at_group += 1 + count;
     }
+    const std::vector<int64_t> groups(lora_groups.begin() + first, lora_groups.begin() + at_group);
     TORCH_CHECK(at_lora + tensors <= lora.size(), "layers_forward: fewer LoRA operands than lora_groups names");
     const at::TensorList layer_lora = lora.slice(at_lora, tensors);
     at_lora += tensors;
