@@ -4231,12 +4231,14 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // scales and zeros are panel-major, (P, G, 2, 16): a panel's s and z of every group in one block, read as a
 // stream beside its quads (kernels.quant_cpu.pack_quads_scale_zeros).
 // VPMADDUBSW multiplies q (the unsigned operand, 0..15) by qx (signed): a pair of products is at most
-// 2 * 15 * 127 = 3810, so 16 k (four of them) add up in int16 without saturating (4 * 2 * 1905 < 2^15)
-// before one VPMADDWD widens them: 16 k take five multiply-adds where w8a8's 8-bit weights, which saturate
-// int16 in one pair, take eight (on Zen 1 both run on one port at half the FMA rate: measured there, the bench
-// model's projections at 32-512 rows ran 1.1-1.3x fp32's GEMM, where w8a8's ran below it). The exact int32
-// sum of each 16 k goes y += s * sum in fp32, each group then adds (z - 8 s) * (the row's sum of qx over the
-// group), and y * sx + bias is stored; a row's operations do not depend on the rows computed beside it.
+// 2 * 15 * 127 = 3810, so 32 k (eight of them) add up in int16 without saturating (8 * 3810 < 2^15) before
+// one VPMADDWD widens them (on Zen 1 both run on one port at half the FMA rate, the integer adds beside them).
+// The int32 sums of a group are exact whatever order they are added in; each group then goes y += s * sum and
+// y += (z - 8 s) * (the row's sum of qx over the group) in fp32, group after group, and y * sx + bias is
+// stored. Two kernels compute that, bit for bit the same: w4a8_half for 1-3 rows (each 16 k of a panel
+// unpacked in registers, one half panel at a time) and w4a8_wide for 4 rows and more (a panel's nibbles
+// unpacked once into a scratch both halves read, each broadcast of qx multiplied by both); so a row's result
+// does not depend on the rows computed beside it, nor on how many there are.
 bool has_w4a8_linear() { return true; }
 
 // Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx. xq: the MR rows interleaved
@@ -4250,7 +4252,9 @@ inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __res
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) y[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 s = load8_f32(sz + g * 32 + 8 * H);  // the panel's scales of group g (bf16 widened exactly)
+    __m256i sum[MR];  // the group's exact int32 sums
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) sum[i] = _mm256_setzero_si256();
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
       // the block's 16 k widened once, then row by row, so one row's products are live at a time (all rows' at
       // once, GCC reassociated the sums into trees and kept the accumulators on the stack: 20 % slower)
@@ -4269,15 +4273,57 @@ inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __res
 #pragma GCC unroll 3
         for (int t = 1; t < 4; ++t)
           pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(q[t], _mm256_castps_si256(_mm256_broadcast_ss(quads + t))));
-        y[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s, y[i]);
+        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(pairs, ones));
       }
     }
+    const __m256 s = load8_f32(sz + g * 32 + 8 * H);  // the panel's scales of group g (bf16 widened exactly)
     const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_f32(sz + g * 32 + 16 + 8 * H));  // z - 8 s
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) y[i] = _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g), y[i]);
+    for (int i = 0; i < MR; ++i)
+      y[i] = _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g), _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), s, y[i]));
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) out[i] = y[i];
+}
+
+// Both halves of one panel for MR rows of qx over groups [g0, g1), from `un`: the panel's nibbles of those groups
+// unpacked, 32-byte vectors [k / 4][half] (w4a8_run). Each broadcast of qx multiplies the two halves' vectors;
+// 32 k add up in int16 before they widen. y: the rows' 16 accumulators (y[i * 16 + c]), updated in place.
+template <int MR, class S>
+inline void w4a8_wide(const int8_t* __restrict xq, const float* __restrict xsum, int64_t G, int64_t g0, int64_t g1,
+                      int64_t group, const uint8_t* __restrict un, const S* __restrict sz, float* __restrict y) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t steps = group / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256i sum[2][MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) sum[0][i] = sum[1][i] = _mm256_setzero_si256();
+    for (int64_t c = (g - g0) * steps; c < (g - g0 + 1) * steps; ++c) {  // 32 k: two blocks of 16
+      const __m256i* w = reinterpret_cast<const __m256i*>(un + c * 512);
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const float* quad = reinterpret_cast<const float*>(xq + ((2 * c + t / 4) * MR + i) * 16) + t % 4;
+          const __m256i xb = _mm256_castps_si256(_mm256_broadcast_ss(quad));
+          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_load_si256(w + 2 * t), xb));
+          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_load_si256(w + 2 * t + 1), xb));
+        }
+        sum[0][i] = _mm256_add_epi32(sum[0][i], _mm256_madd_epi16(p0, ones));
+        sum[1][i] = _mm256_add_epi32(sum[1][i], _mm256_madd_epi16(p1, ones));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {  // y stays in memory meanwhile: the group's sums take the registers
+      const __m256 s = load8_f32(sz + g * 32 + 8 * h);
+      const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_f32(sz + g * 32 + 16 + 8 * h));
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i)
+        _mm256_storeu_ps(y + i * 16 + 8 * h,
+                         _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g),
+                                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i]), s, _mm256_loadu_ps(y + i * 16 + 8 * h))));
+    }
+  }
 }
 
 // MR rows x one panel (from column n0), stored as y * sx + bias below N.
@@ -4310,7 +4356,10 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
   thread_local Buffers buffers;
   RowsI8& rows = buffers.rows;
   round_rows_i8_avx2(xp, xs, M, K, rows);
-  constexpr int64_t kRows = 4;  // a half panel's 4 fp32 accumulators, a block's 4 q, a row's sum, s: 13 ymm
+  constexpr int64_t kRows = 4;  // rows a tile: w4a8_half's 4 fp32 accumulators, 4 int32 sums and a block's 4 q
+  // from here w4a8_wide: measured on Zen 1 (2 threads, the bench model's projections), 4 rows ran 0.93x w4a8_half's
+  // speed, 8 rows 1.0x, 16 1.06-1.10x, 32 1.12x, 512 1.14-1.20x
+  constexpr int64_t kWideRows = 8;
   // each tile's rows interleaved by 16 k: [k / 16][row][16], so a tile reads its rows through one pointer (with a
   // pointer per row the block loop ran out of general registers and reloaded them from the stack)
   std::vector<int8_t>& tiles = buffers.tiles;
@@ -4343,19 +4392,72 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
         xsum[m * G + g] = static_cast<float>(total);
       }
   });
+  if (M < kWideRows) {
+    parallel_stealing(P, [&](int64_t p, int64_t) {
+      const uint8_t* panel = wp + p * K * 8;
+      const T* psz = sz + p * G * 32;  // the panel's scales and zeros, next to each other (a stream, as its quads)
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int8_t* xq = tiles.data() + m * K;
+        const float* xm = xsum.data() + m * G;
+        const float* sx = rows.scale.data() + m;
+        T* om = op + m * n;
+        switch (std::min<int64_t>(kRows, M - m)) {
+          case 4: w4a8_tile<4>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+          case 3: w4a8_tile<3>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+          case 2: w4a8_tile<2>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+          default: w4a8_tile<1>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+        }
+      }
+    });
+    return;
+  }
+  // kWideRows and more: each panel's nibbles unpacked into a per-thread scratch, a chunk of groups at a time (1024
+  // k of both halves are 16 KB: kept in L1), for a block of up to 64 rows whose every tile then reads them; the
+  // block's accumulators (4 KB) live in a per-thread buffer across the chunks
+  constexpr int64_t kBlockRows = 64;
+  const int64_t chunk_groups = std::max<int64_t>(1, 1024 / group);
   parallel_stealing(P, [&](int64_t p, int64_t) {
+    struct Scratch {
+      std::vector<__m256i> un;  // [k / 4][half]
+      std::vector<float> y;  // (rows, 16)
+    };
+    thread_local Scratch scratch;
+    scratch.un.resize(static_cast<size_t>(std::min(G, chunk_groups) * group / 2));
     const uint8_t* panel = wp + p * K * 8;
-    const T* psz = sz + p * G * 32;  // the panel's scales and zeros, next to each other (a stream, as its quads)
-    for (int64_t m = 0; m < M; m += kRows) {
-      const int8_t* xq = tiles.data() + m * K;
-      const float* xm = xsum.data() + m * G;
-      const float* sx = rows.scale.data() + m;
-      T* om = op + m * n;
-      switch (std::min<int64_t>(kRows, M - m)) {
-        case 4: w4a8_tile<4>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
-        case 3: w4a8_tile<3>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
-        case 2: w4a8_tile<2>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
-        default: w4a8_tile<1>(xq, K, xm, G, sx, panel, psz, p * 16, n, om, bias); break;
+    const T* psz = sz + p * G * 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t mb = 0; mb < M; mb += kBlockRows) {
+      const int64_t me = std::min(M, mb + kBlockRows);
+      scratch.y.assign(static_cast<size_t>((me - mb) * 16), 0.f);
+      for (int64_t g0 = 0; g0 < G; g0 += chunk_groups) {
+        const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, k1 = g1 * group;
+        for (int64_t j = k0 / 4; j < k1 / 4; ++j) {  // vector j: 4 k x 8 columns a nibble
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 32));
+          scratch.un[2 * (j - k0 / 4)] = _mm256_and_si256(v, low);
+          scratch.un[2 * (j - k0 / 4) + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        const uint8_t* un = reinterpret_cast<const uint8_t*>(scratch.un.data());
+        for (int64_t m = mb; m < me; m += kRows) {
+          const int64_t mr = std::min<int64_t>(kRows, M - m);
+          const int8_t* xq = tiles.data() + m * K + k0 * mr;  // the tile's rows interleaved by 16 k, from k0
+          const float* xm = xsum.data() + m * G;
+          float* y = scratch.y.data() + (m - mb) * 16;
+          switch (mr) {
+            case 4: w4a8_wide<4>(xq, xm, G, g0, g1, group, un, psz, y); break;
+            case 3: w4a8_wide<3>(xq, xm, G, g0, g1, group, un, psz, y); break;
+            case 2: w4a8_wide<2>(xq, xm, G, g0, g1, group, un, psz, y); break;
+            default: w4a8_wide<1>(xq, xm, G, g0, g1, group, un, psz, y); break;
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {  // y * sx + bias below N, as w4a8_tile stores
+        const int64_t c0 = p * 16 + 8 * h;
+        const int valid = static_cast<int>(std::min<int64_t>(8, n - c0));
+        if (valid <= 0) break;
+        const __m256 bv = bias8(bias, c0, valid);
+        for (int64_t i = mb; i < me; ++i)
+          store8(op + i * n + c0, _mm256_fmadd_ps(_mm256_loadu_ps(scratch.y.data() + (i - mb) * 16 + 8 * h),
+                                                   _mm256_set1_ps(rows.scale[i]), bv), valid);
       }
     }
   });
