@@ -4357,8 +4357,8 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
   RowsI8& rows = buffers.rows;
   round_rows_i8_avx2(xp, xs, M, K, rows);
   constexpr int64_t kRows = 4;  // rows a tile: w4a8_half's 4 fp32 accumulators, 4 int32 sums and a block's 4 q
-  // from here w4a8_wide: measured on Zen 1 (2 threads, the bench model's projections), 4 rows ran 0.93x w4a8_half's
-  // speed, 8 rows 1.0x, 16 1.06-1.10x, 32 1.12x, 512 1.14-1.20x
+  // from here w4a8_wide: measured on Zen 1 (2 threads, the bench model's projections), 4 rows ran 0.92-0.97x
+  // w4a8_half's speed, 8 rows 0.99-1.03x, 32 rows 1.08-1.12x, 512 rows 1.12-1.18x (docs/benchmarks.md)
   constexpr int64_t kWideRows = 8;
   // each tile's rows interleaved by 16 k: [k / 16][row][16], so a tile reads its rows through one pointer (with a
   // pointer per row the block loop ran out of general registers and reloaded them from the stack)

@@ -358,13 +358,14 @@ def test_w8a8_quads_equal_the_integer_product(ops, m, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 40, 70])
 @pytest.mark.parametrize(("n", "k", "group"), [(96, 64, 32), (40, 64, 32), (600, 128, 64), (16, 1536, 128),
                                                (24, 256, 256)])
 def test_w4a8_quads_equal_the_integer_product(ops, m, n, k, group, dtype):
-    """int4 weights x rows rounded to int8 (AVX2 builds): one tile (1-4 rows) and several, N not a multiple
-    of 16 (nor of 8), a long K, every group size, a bias, an all-zero row, and the int16 extremes: q = 15
-    (and 0) against qx = +-127 for a whole row, 16 k of pair sums at 2 * 15 * 127 each before they widen.
+    """int4 weights x rows rounded to int8 (AVX2 builds): one tile (1-4 rows) and several, both kernels (the
+    one for 1-7 rows and the one from 8, whose K = 1536 runs in two chunks and 70 rows in two blocks), N not a
+    multiple of 16 (nor of 8), every group size, a bias, an all-zero row, and the int16 extremes: q = 15 (and
+    0) against qx = +-127 for a whole row, eight pair sums at 2 * 15 * 127 each in one int16 lane before it widens.
     Against the exact product of the rounded rows and the dequantized weight (float64), scaled once, in x's
     dtype; each row alone equals the row in the batch, to the bit."""
     from kernels.quant import (
