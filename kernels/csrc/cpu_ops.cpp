@@ -4232,13 +4232,13 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // stream beside its quads (kernels.quant_cpu.pack_quads_scale_zeros).
 // VPMADDUBSW multiplies q (the unsigned operand, 0..15) by qx (signed): a pair of products is at most
 // 2 * 15 * 127 = 3810, so 32 k (eight of them) add up in int16 without saturating (8 * 3810 < 2^15) before
-// one VPMADDWD widens them (on Zen 1 both run on one port at half the FMA rate, the integer adds beside them).
-// The int32 sums of a group are exact whatever order they are added in; each group then goes y += s * sum and
-// y += (z - 8 s) * (the row's sum of qx over the group) in fp32, group after group, and y * sx + bias is
-// stored. Two kernels compute that, bit for bit the same: w4a8_half for 1-3 rows (each 16 k of a panel
-// unpacked in registers, one half panel at a time) and w4a8_wide for 4 rows and more (a panel's nibbles
-// unpacked once into a scratch both halves read, each broadcast of qx multiplied by both); so a row's result
-// does not depend on the rows computed beside it, nor on how many there are.
+// one VPMADDWD widens them (on Zen 1 both issue on one port, once per 2 cycles, and the integer adds and
+// conversions issue beside them). The int32 sums of a group are exact whatever order they are added in; each
+// group then goes y += s * sum and y += (z - 8 s) * (the row's sum of qx over the group) in fp32, group after
+// group, and y * sx + bias is stored. Two kernels compute that, bit for bit the same: w4a8_half below
+// kWideRows rows (each 16 k of a panel unpacked in registers, one half panel at a time) and w4a8_wide from
+// there (a panel's nibbles unpacked once into a scratch both halves read, each broadcast of qx multiplied by
+// both); so a row's result does not depend on the rows computed beside it, nor on how many there are.
 bool has_w4a8_linear() { return true; }
 
 // Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx. xq: the MR rows interleaved
