@@ -245,8 +245,8 @@ def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tenso
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias over int4 quads (kernels.quant_cpu.pack_int4_quads) of N = n columns with their
     scales and zeros in panel-major form (kernels.quant_cpu.pack_quads_scale_zeros) in x's dtype (bf16 or
-    float32), x rounded to int8 per row here (kernels.quant.round_rows_int8): exact int32 sums of q * qx for
-    each 16 inputs, then fp32 as in the kernel's comment, y in x's dtype.
+    float32), x rounded to int8 per row here (kernels.quant.round_rows_int8): exact int32 sums of q * qx over
+    each group, then fp32 as in the kernel's comment, y in x's dtype.
 
     Semantics: the reference is kernels.quant.linear_ref of an int8-activation Int4Weight.
     """

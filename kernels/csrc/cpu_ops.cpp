@@ -4241,6 +4241,19 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::T
 // both); so a row's result does not depend on the rows computed beside it, nor on how many there are.
 bool has_w4a8_linear() { return true; }
 
+// Group g's s and z - 8 s for columns 8 h .. 8 h + 7 of one panel's panel-major terms (bf16 widened exactly).
+template <class S>
+inline void w4a8_group_terms(const S* sz, int64_t g, int h, __m256& s, __m256& z8) {
+  s = load8_f32(sz + g * 32 + 8 * h);
+  z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_f32(sz + g * 32 + 16 + 8 * h));
+}
+
+// A group's fp32 step, the one both kernels take: y += s * sum, then y += (z - 8 s) * xsum (the row's sum of qx
+// over the group).
+inline __m256 w4a8_group_step(__m256 y, __m256i sum, __m256 s, __m256 z8, const float* xsum) {
+  return _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum), _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, y));
+}
+
 // Columns 8 H .. 8 H + 7 of one panel for MR rows of qx: out[i] as above, before sx. xq: the MR rows interleaved
 // by 16 k (w4a8_run), so one pointer walks them.
 template <int MR, int H, class S>
@@ -4276,11 +4289,10 @@ inline void w4a8_half(const int8_t* __restrict xq, int64_t K, const float* __res
         sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(pairs, ones));
       }
     }
-    const __m256 s = load8_f32(sz + g * 32 + 8 * H);  // the panel's scales of group g (bf16 widened exactly)
-    const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_f32(sz + g * 32 + 16 + 8 * H));  // z - 8 s
+    __m256 s, z8;
+    w4a8_group_terms(sz, g, H, s, z8);
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i)
-      y[i] = _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g), _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), s, y[i]));
+    for (int i = 0; i < MR; ++i) y[i] = w4a8_group_step(y[i], sum[i], s, z8, xsum + i * G + g);
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) out[i] = y[i];
@@ -4315,13 +4327,12 @@ inline void w4a8_wide(const int8_t* __restrict xq, const float* __restrict xsum,
       }
     }
     for (int h = 0; h < 2; ++h) {  // y stays in memory meanwhile: the group's sums take the registers
-      const __m256 s = load8_f32(sz + g * 32 + 8 * h);
-      const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_f32(sz + g * 32 + 16 + 8 * h));
+      __m256 s, z8;
+      w4a8_group_terms(sz, g, h, s, z8);
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i)
         _mm256_storeu_ps(y + i * 16 + 8 * h,
-                         _mm256_fmadd_ps(z8, _mm256_broadcast_ss(xsum + i * G + g),
-                                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i]), s, _mm256_loadu_ps(y + i * 16 + 8 * h))));
+                         w4a8_group_step(_mm256_loadu_ps(y + i * 16 + 8 * h), sum[h][i], s, z8, xsum + i * G + g));
     }
   }
 }
