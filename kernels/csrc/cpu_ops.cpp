@@ -379,9 +379,8 @@ void decode_one(const float* __restrict q,  // (G, D), scaled
 }
 
 #if defined(LORAPLEX_AVX2_ATTENTION)
-// Scores of GN query rows (q + u * D, pre-scaled: a sequence's heads at decode, 4 positions' rows at prefill)
-// against the 16 keys of kt (kt[d][j]: key j's dim d): 2 GN independent chains of 8 lanes, into
-// s[u * ss ...] (16 each).
+// Scores of GN query rows (q + u * D, pre-scaled: 4 positions' rows at prefill) against the 16 keys of kt
+// (kt[d][j]: key j's dim d): 2 GN independent chains of 8 lanes, into s[u * ss ...] (16 each).
 template <int GN>
 inline void scores16(const float* q, int64_t D, const float (*kt)[16], float* s, int64_t ss) {
   __m256 acc[GN][2];
@@ -402,30 +401,72 @@ inline void scores16(const float* q, int64_t D, const float (*kt)[16], float* s,
   }
 }
 
-// acc[g][c0, c0 + 16) += sum_{j < nk} p[g][j] v_j[c0, c0 + 16) for GN heads (p rows n apart), values at
-// v_base + offs[j]: 2 GN chains of 8 lanes, each value slice loaded once for the GN heads.
+// The 8 sums of v[0 .. 8)'s lanes, lane u = v[u]'s (an add tree of horizontal adds, one 128-bit fold).
+inline __m256 hsum8x8(const __m256 v[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes: v[0..3] low half | high half
+  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1));
+  const __m128 hi = _mm_add_ps(_mm256_castps256_ps128(u1), _mm256_extractf128_ps(u1, 1));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
+// Scores of GN query rows (q + u * D, pre-scaled) against the 8 key rows k[0 .. 8) as they lie in the cache
+// (D a multiple of 8): KP keys at a time, GN x KP chains of 8-lane partial products over D (enough
+// independent FMAs to cover their latency), then one horizontal add tree per row of 8 keys, into
+// s[u * ss ...] (8 each). Reading rows in place leaves nothing to transpose: at decode a row meets only the
+// G heads of its kv head, too few to pay for transposing it.
 template <int GN, typename KV>
-inline void values16(const float* p, int64_t n, int64_t nk, const KV* v_base, const int64_t* offs, int64_t c0,
-                     int64_t D, float* acc) {
-  __m256 a[GN][2];
-  for (int u = 0; u < GN; ++u) {
-    a[u][0] = _mm256_loadu_ps(acc + u * D + c0);
-    a[u][1] = _mm256_loadu_ps(acc + u * D + c0 + 8);
-  }
-  for (int64_t j = 0; j < nk; ++j) {
-    const KV* v = v_base + offs[j] + c0;
-    const __m256 v0 = load8_f32(v), v1 = load8_f32(v + 8);
-#pragma GCC unroll 4
-    for (int u = 0; u < GN; ++u) {
-      const __m256 pu = _mm256_broadcast_ss(p + u * n + j);
-      a[u][0] = _mm256_fmadd_ps(pu, v0, a[u][0]);
-      a[u][1] = _mm256_fmadd_ps(pu, v1, a[u][1]);
+inline void scores8_rows(const float* q, int64_t D, const KV* const* k, float* s, int64_t ss) {
+  constexpr int KP = GN == 1 ? 8 : GN == 4 ? 2 : 4;  // GN x KP accumulators + GN q + 1 key in 16 registers
+  __m256 part[GN][8];
+  for (int j0 = 0; j0 < 8; j0 += KP) {
+    __m256 acc[GN][KP];
+    for (int u = 0; u < GN; ++u)
+      for (int j = 0; j < KP; ++j) acc[u][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 qd[GN];
+      for (int u = 0; u < GN; ++u) qd[u] = _mm256_loadu_ps(q + u * D + d);
+      for (int j = 0; j < KP; ++j) {
+        const __m256 kv = load8_f32(k[j0 + j] + d);
+        for (int u = 0; u < GN; ++u) acc[u][j] = _mm256_fmadd_ps(qd[u], kv, acc[u][j]);
+      }
     }
+    for (int u = 0; u < GN; ++u)
+      for (int j = 0; j < KP; ++j) part[u][j0 + j] = acc[u][j];
   }
-  for (int u = 0; u < GN; ++u) {
-    _mm256_storeu_ps(acc + u * D + c0, a[u][0]);
-    _mm256_storeu_ps(acc + u * D + c0 + 8, a[u][1]);
-  }
+  for (int u = 0; u < GN; ++u) _mm256_storeu_ps(s + u * ss, hsum8x8(part[u]));
+}
+
+// acc[g][c0, c0 + 8 C) += sum_{j < nk} p[g][j] v_j[c0, c0 + 8 C) for GN heads (p rows n apart), values at
+// v_base + offs[j]: keys taken KU at a time into KU sets of GN x C chains of 8 lanes (enough independent FMAs
+// to cover their latency; the sets are added at the end), each value slice loaded once for the GN heads.
+template <int GN, int C, int KU, typename KV>
+inline void values_rows(const float* p, int64_t n, int64_t nk, const KV* v_base, const int64_t* offs, int64_t c0,
+                        int64_t D, float* acc) {
+  __m256 a[KU][GN][C];
+  for (int k = 0; k < KU; ++k)
+    for (int u = 0; u < GN; ++u)
+      for (int c = 0; c < C; ++c) a[k][u][c] = k == 0 ? _mm256_loadu_ps(acc + u * D + c0 + 8 * c) : _mm256_setzero_ps();
+  int64_t j = 0;
+  auto key = [&](int k, int64_t jj) {
+    const KV* v = v_base + offs[jj] + c0;
+    __m256 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load8_f32(v + 8 * c);
+    for (int u = 0; u < GN; ++u) {
+      const __m256 pu = _mm256_broadcast_ss(p + u * n + jj);
+      for (int c = 0; c < C; ++c) a[k][u][c] = _mm256_fmadd_ps(pu, vc[c], a[k][u][c]);
+    }
+  };
+  for (; j + KU <= nk; j += KU)
+    for (int k = 0; k < KU; ++k) key(k, j + k);
+  for (; j < nk; ++j) key(0, j);
+  for (int u = 0; u < GN; ++u)
+    for (int c = 0; c < C; ++c) {
+      __m256 t = a[0][u][c];
+      for (int k = 1; k < KU; ++k) t = _mm256_add_ps(t, a[k][u][c]);
+      _mm256_storeu_ps(acc + u * D + c0 + 8 * c, t);
+    }
 }
 
 // The rows of keys or values [j0, j0 + 16) (or fewer, to n) into L2, while the block before them is computed.
@@ -456,34 +497,30 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
       ++blk;
     }
   }
-  alignas(32) float kt[kMaxHeadDim][16];
-  alignas(32) float tail[kMaxGroup][16];  // a last block's scores (past n: not stored)
+  alignas(32) static const KV zeros[kMaxHeadDim] = {};  // the rows past n of a last group of 8 keys
+  alignas(32) float tail[kMaxGroup][8];  // that group's scores (past n: not stored)
   fetch_rows(k_base, offs, 0, n, D);
   fetch_rows(k_base, offs, 16, n, D);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, n - j0);
     fetch_rows(k_base, offs, j0 + 32, n, D);
     fetch_rows(v_base, offs, j0, n, D);  // the values' turn comes after the last block: into L2 meanwhile
-    for (int v = 0; v < 2; ++v)
-      for (int64_t d0 = 0; d0 < D; d0 += 8) {
-        __m256 in[8], tr[8];
-        for (int j = 0; j < 8; ++j)
-          in[j] = 8 * v + j < nk ? load8_f32(k_base + offs[j0 + 8 * v + j] + d0) : _mm256_setzero_ps();
-        transpose8(in, tr);
-        for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d0 + i] + 8 * v, tr[i]);
+    for (int64_t j8 = j0; j8 < std::min<int64_t>(n, j0 + 16); j8 += 8) {
+      const int64_t nk = std::min<int64_t>(8, n - j8);
+      const KV* rows[8];
+      for (int j = 0; j < 8; ++j) rows[j] = j < nk ? k_base + offs[j8 + j] : zeros;
+      float* s = nk == 8 ? scores + j8 : &tail[0][0];
+      const int64_t ss = nk == 8 ? n : 8;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 4: scores8_rows<4>(q + g0 * D, D, rows, s + g0 * ss, ss); break;
+          case 3: scores8_rows<3>(q + g0 * D, D, rows, s + g0 * ss, ss); break;
+          case 2: scores8_rows<2>(q + g0 * D, D, rows, s + g0 * ss, ss); break;
+          default: scores8_rows<1>(q + g0 * D, D, rows, s + g0 * ss, ss); break;
+        }
       }
-    float* s = nk == 16 ? scores + j0 : &tail[0][0];
-    const int64_t ss = nk == 16 ? n : 16;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      switch (std::min<int64_t>(4, G - g0)) {
-        case 4: scores16<4>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
-        case 3: scores16<3>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
-        case 2: scores16<2>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
-        default: scores16<1>(q + g0 * D, D, kt, s + g0 * ss, ss); break;
-      }
+      if (nk < 8)
+        for (int64_t g = 0; g < G; ++g) std::memcpy(scores + g * n + j8, tail[g], static_cast<size_t>(nk) * sizeof(float));
     }
-    if (nk < 16)
-      for (int64_t g = 0; g < G; ++g) std::memcpy(scores + g * n + j0, tail[g], static_cast<size_t>(nk) * sizeof(float));
   }
   float mx[kMaxGroup], inv_sum[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
@@ -500,15 +537,26 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
     for (int64_t g0 = 0; g0 < G; g0 += 4)
-      for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      for (int64_t c0 = 0; c0 < D;) {  // 32 columns a pass (16 for 4 heads, or at a 16-column tail)
         const float* p = scores + g0 * n + j0;
         float* a = acc + g0 * D;
-        switch (std::min<int64_t>(4, G - g0)) {
-          case 4: values16<4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-          case 3: values16<3>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-          case 2: values16<2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-          default: values16<1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+        const int64_t gn = std::min<int64_t>(4, G - g0);
+        if (gn < 4 && c0 + 32 <= D) {
+          switch (gn) {
+            case 3: values_rows<3, 4, 1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+            case 2: values_rows<2, 4, 1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+            default: values_rows<1, 4, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          }
+          c0 += 32;
+          continue;
         }
+        switch (gn) {
+          case 4: values_rows<4, 2, 1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 3: values_rows<3, 2, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 2: values_rows<2, 2, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          default: values_rows<1, 2, 4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+        }
+        c0 += 16;
       }
   }
   for (int64_t g = 0; g < G; ++g) {

@@ -65,9 +65,10 @@ def _tolerance(q_dtype, cache_dtype):
         return 2e-2  # the output's own rounding (and bf16 q rounded again)
     if cache_dtype == torch.bfloat16:
         # probabilities rounded to bf16: one that sits within fp32 noise of a rounding boundary may round the
-        # other way than the float64 reference's, moving its row by p * 2^-8 * |v| (4.6e-5 measured on the
-        # portable kernel and on the AVX2 one, a 600-key row)
-        return 1e-4
+        # other way than the float64 reference's, moving its row by up to p * 2^-8 * |v|: ~6e-4 for p = 0.05
+        # and |v| = 3 in a 100-key row of these randn rows (measured: 4.6e-5 on the portable kernel, 1.4e-4 on
+        # the AVX2 one, which sums each score in 8 lanes then a tree)
+        return 1e-3
     return 2e-4  # int8: 16-bit probabilities
 
 
