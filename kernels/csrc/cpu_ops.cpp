@@ -2134,8 +2134,18 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
         store16m(o + i, _mm512_mul_ps(silu16(load16m(g + i, m), o), load16m(u + i, m)), m);
       }
 #else
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>) {  // 8 lanes by exp8 (fast_exp's arithmetic), the tail below
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + i);
+          const __m256 act = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+        }
+      }
+#endif
+      for (; i < I; ++i) {
         const float gf = to_f(g[i]);
         T act;
         from_f(gf / (1.f + fast_exp(-gf)), &act);  // silu in the input dtype, then the product: F.silu(g) * u
