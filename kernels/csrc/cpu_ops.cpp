@@ -477,13 +477,13 @@ inline void fetch_rows(const KV* base, const int64_t* offs, int64_t j0, int64_t 
       __builtin_prefetch(reinterpret_cast<const char*>(base + offs[j]) + b, 0, 2);
 }
 
-// decode_one's AVX2 twin for float32 and bf16 rows, D a multiple of 16: keys in blocks of 16, widened and
-// transposed once for the G heads, which score them 4 at a time in register chains (decode_one sums each
-// head's dot product with a horizontal add per key); then the same softmax; then P @ V block by block, 16
-// dims x 4 heads at a time in registers (decode_one adds every key's row into acc in memory). Each block's
-// rows are fetched while the block before them is computed: the rows of a sequence lie in blocks scattered
-// over the cache, and a pass that reads one slice of every row waits on memory for each (measured). offs: n
-// scratch offsets.
+// decode_one's AVX2 twin for float32 and bf16 rows, D a multiple of 16: keys read as rows in place, 8 at a
+// time scored by up to 4 heads in register chains with one horizontal add tree per 8 keys and head
+// (scores8_rows; transposing them cost more than it saved: a third of the op's samples); then the same
+// softmax; then P @ V in blocks of 16 keys, 32 dims x 3 heads (or 16 x 4) at a time in registers
+// (values_rows; decode_one adds every key's row into acc in memory). Each block's rows are fetched while the
+// block before them is computed: the rows of a sequence lie in blocks scattered over the cache, and a pass
+// that reads one slice of every row waits on memory for each (measured). offs: n scratch offsets.
 template <typename KV>
 void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, const KV* __restrict v_base,
                      int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
