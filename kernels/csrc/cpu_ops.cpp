@@ -439,34 +439,24 @@ inline void scores8_rows(const float* q, int64_t D, const KV* const* k, float* s
 }
 
 // acc[g][c0, c0 + 8 C) += sum_{j < nk} p[g][j] v_j[c0, c0 + 8 C) for GN heads (p rows n apart), values at
-// v_base + offs[j]: keys taken KU at a time into KU sets of GN x C chains of 8 lanes (enough independent FMAs
-// to cover their latency; the sets are added at the end), each value slice loaded once for the GN heads.
-template <int GN, int C, int KU, typename KV>
+// v_base + offs[j]: GN x C chains of 8 lanes, each value slice loaded once for the GN heads.
+template <int GN, int C, typename KV>
 inline void values_rows(const float* p, int64_t n, int64_t nk, const KV* v_base, const int64_t* offs, int64_t c0,
                         int64_t D, float* acc) {
-  __m256 a[KU][GN][C];
-  for (int k = 0; k < KU; ++k)
-    for (int u = 0; u < GN; ++u)
-      for (int c = 0; c < C; ++c) a[k][u][c] = k == 0 ? _mm256_loadu_ps(acc + u * D + c0 + 8 * c) : _mm256_setzero_ps();
-  int64_t j = 0;
-  auto key = [&](int k, int64_t jj) {
-    const KV* v = v_base + offs[jj] + c0;
+  __m256 a[GN][C];
+  for (int u = 0; u < GN; ++u)
+    for (int c = 0; c < C; ++c) a[u][c] = _mm256_loadu_ps(acc + u * D + c0 + 8 * c);
+  for (int64_t j = 0; j < nk; ++j) {
+    const KV* v = v_base + offs[j] + c0;
     __m256 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load8_f32(v + 8 * c);
     for (int u = 0; u < GN; ++u) {
-      const __m256 pu = _mm256_broadcast_ss(p + u * n + jj);
-      for (int c = 0; c < C; ++c) a[k][u][c] = _mm256_fmadd_ps(pu, vc[c], a[k][u][c]);
+      const __m256 pu = _mm256_broadcast_ss(p + u * n + j);
+      for (int c = 0; c < C; ++c) a[u][c] = _mm256_fmadd_ps(pu, vc[c], a[u][c]);
     }
-  };
-  for (; j + KU <= nk; j += KU)
-    for (int k = 0; k < KU; ++k) key(k, j + k);
-  for (; j < nk; ++j) key(0, j);
+  }
   for (int u = 0; u < GN; ++u)
-    for (int c = 0; c < C; ++c) {
-      __m256 t = a[0][u][c];
-      for (int k = 1; k < KU; ++k) t = _mm256_add_ps(t, a[k][u][c]);
-      _mm256_storeu_ps(acc + u * D + c0 + 8 * c, t);
-    }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + u * D + c0 + 8 * c, a[u][c]);
 }
 
 // The rows of keys or values [j0, j0 + 16) (or fewer, to n) into L2, while the block before them is computed.
@@ -543,18 +533,18 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
         const int64_t gn = std::min<int64_t>(4, G - g0);
         if (gn < 4 && c0 + 32 <= D) {
           switch (gn) {
-            case 3: values_rows<3, 4, 1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-            case 2: values_rows<2, 4, 1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-            default: values_rows<1, 4, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+            case 3: values_rows<3, 4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+            case 2: values_rows<2, 4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+            default: values_rows<1, 4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
           }
           c0 += 32;
           continue;
         }
         switch (gn) {
-          case 4: values_rows<4, 2, 1>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-          case 3: values_rows<3, 2, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-          case 2: values_rows<2, 2, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
-          default: values_rows<1, 2, 4>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 4: values_rows<4, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 3: values_rows<3, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          case 2: values_rows<2, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
+          default: values_rows<1, 2>(p, n, nk, v_base, offs + j0, c0, D, a); break;
         }
         c0 += 16;
       }
