@@ -16,7 +16,11 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         cache, q as kernels.attention.scoring_query rounds it; over bf16 values the softmax is rounded
         to bf16 before it weighs them (the torch reference's rounding). Work goes head by head, and within
         a head the rows whose sequences start in the same block (a shared cached prefix) one after the
-        other, so their shared keys and values are read from memory once and then from cache.
+        other, so their shared keys and values are read from memory once and then from cache. AVX2
+        builds (head_dim 64 or 128, float32 or bf16 caches, no window) go further: rows whose tables share
+        64 keys or more from position 0 on are scored against that prefix together, one pass per group and
+        kv head (cascade attention), and each row's own pass over the rest merges the prefix's softmax
+        state; such rows keep their probabilities in fp32 over a bf16 cache.
     prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
         Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
         keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),

@@ -2,7 +2,9 @@
 // kernels/native_cpu.py, which states each op's semantics and keeps the torch twin it must match.
 //
 //   decode_attention   paged attention of one query token per sequence, reading keys and values in
-//                      place through the block table (the torch path gathers them into a copy first)
+//                      place through the block table (the torch path gathers them into a copy first);
+//                      AVX2 builds read a prefix that sequences share in their tables once for the group
+//                      (shared_prefix_avx2), then each sequence its own keys
 //   prefill_attention  one sequence's prefill chunk over its paged cache: flash-style blocks of 32 queries x
 //                      64 keys (16 at head_dim 128), online softmax, keys transposed once per block
 //                      (bf16: as k pairs for bf16 dot products, or AMX tile products where the CPU has
@@ -322,6 +324,21 @@ inline void round_like_int8_rows(float* x, int64_t D) {
     x[d] = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / scale))) * scale : 0.f;
 }
 
+// q's G heads of one kv head (heads head_stride apart) as the decode kernels without AVX-512 take them: fp32,
+// rounded as the cache's rows are (int8: round_like_int8_rows; bf16: to bf16, as the AVX-512 kernel scores it),
+// times scale.
+template <typename Q, typename KV>
+inline void decode_queries(const Q* src, int64_t head_stride, int64_t G, int64_t D, float scale, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = out + g * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = to_f(src[g * head_stride + d]);
+    if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(row, D);
+    if constexpr (std::is_same_v<KV, bf16>)
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(bf16(row[d]));
+    for (int64_t d = 0; d < D; ++d) row[d] *= scale;
+  }
+}
+
 inline const float* row_f32(const float* row, float*, int64_t) { return row; }
 inline const float* row_f32(const bf16* row, float* widened, int64_t D) {
 #pragma omp simd
@@ -478,7 +495,7 @@ template <typename KV>
 void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, const KV* __restrict v_base,
                      int64_t block_stride, int64_t slot_stride, const int32_t* __restrict table, int64_t block_size,
                      int64_t lo, int64_t len, int64_t G, int64_t D, float* __restrict scores, int64_t* offs,
-                     float* __restrict acc) {
+                     float* __restrict acc, const float* prior = nullptr) {
   const int64_t n = len - lo;
   for (int64_t j = lo, blk = lo / block_size, slot = lo % block_size; j < len; ++j) {  // no division per key
     offs[j - lo] = table[blk] * block_stride + slot * slot_stride;
@@ -522,7 +539,12 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
     for (; i < n; ++i) mx[g] = std::max(mx[g], sg[i]);
   }
   softmax_numerators(scores, mx, G, n, inv_sum);
-  if constexpr (std::is_same_v<KV, bf16>) round_probs_bf16(scores, G, n, inv_sum);
+  float sum[kMaxGroup];  // the numerators' sums, for a merge with prior
+  for (int64_t g = 0; g < G; ++g) sum[g] = 1.f / inv_sum[g];
+  // (probabilities in bf16 as the AVX-512 kernel weighs them; with a prior they stay fp32, as the shared pass
+  // keeps them: rounding there would take the row's whole sum, which only the merge below knows)
+  if constexpr (std::is_same_v<KV, bf16>)
+    if (!prior) round_probs_bf16(scores, G, n, inv_sum);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
@@ -550,9 +572,214 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
       }
   }
   for (int64_t g = 0; g < G; ++g) {
+    if (prior) {  // this pass's result (acc * inv_sum, of weight sum) and prior's (m, l, acc) on one max
+      const float* pr = prior + g * (D + 2);
+      const float top = std::max(mx[g], pr[0]);
+      const float own = sum[g] * std::exp(mx[g] - top), shared = pr[1] * std::exp(pr[0] - top);
+      const float inv = 1.f / (own + shared);
+      const __m256 w = _mm256_set1_ps(inv_sum[g] * own * inv), wp = _mm256_set1_ps(std::exp(pr[0] - top) * inv);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(acc + g * D + d, _mm256_fmadd_ps(_mm256_loadu_ps(acc + g * D + d), w,
+                                                          _mm256_mul_ps(_mm256_loadu_ps(pr + 2 + d), wp)));
+      continue;
+    }
     const __m256 iv = _mm256_set1_ps(inv_sum[g]);
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + g * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + d), iv));
   }
+}
+
+// A block of keys [j0, j0 + nk) (nk <= 16) along `table`, for the AVX2 tiles that score many query rows against
+// it: the keys transposed into kt (kt[d][j]: key j's dim d; past nk zeros) and vrow[j] the value rows in fp32
+// (float32 rows in place, bf16 ones widened into vf once).
+template <typename KV, int D>
+inline void key_block_avx2(const KV* k_base, const KV* v_base, int64_t block_stride, int64_t slot_stride,
+                           const int32_t* table, int64_t block_size, int64_t j0, int64_t nk, float (*kt)[16],
+                           float (*vf)[D], const float** vrow) {
+  const KV* krow[16];
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t pos = j0 + j;
+    const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+    krow[j] = k_base + slot;
+    if constexpr (std::is_same_v<KV, float>) {
+      vrow[j] = v_base + slot;
+    } else {
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(vf[j] + d, load8_f32(v_base + slot + d));
+      vrow[j] = vf[j];
+    }
+  }
+  for (int v = 0; v < 2; ++v)
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 in[8], tr[8];
+      for (int j = 0; j < 8; ++j) in[j] = 8 * v + j < nk ? load8_f32(krow[8 * v + j] + d0) : _mm256_setzero_ps();
+      transpose8(in, tr);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d0 + i] + 8 * v, tr[i]);
+    }
+}
+
+// Four rows of acc (D apart): acc[u] = acc[u] * corr[u] + sum_{j < nk} p[u][j] v_j, 16 dims a pass (4 rows x 2
+// chains in registers, each value slice loaded once for the 4 rows).
+template <int D, int KB = 16>
+inline void pv_rows4(float* acc, const float (*p)[KB], const float* corr, int64_t nk, const float* const* vrow) {
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    __m256 a[4][2];
+    for (int u = 0; u < 4; ++u) {
+      const __m256 cv = _mm256_set1_ps(corr[u]);
+      a[u][0] = _mm256_mul_ps(_mm256_load_ps(acc + u * D + c0), cv);
+      a[u][1] = _mm256_mul_ps(_mm256_load_ps(acc + u * D + c0 + 8), cv);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vrow[j] + c0), v1 = _mm256_loadu_ps(vrow[j] + c0 + 8);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 pv = _mm256_broadcast_ss(&p[u][j]);
+        a[u][0] = _mm256_fmadd_ps(pv, v0, a[u][0]);
+        a[u][1] = _mm256_fmadd_ps(pv, v1, a[u][1]);
+      }
+    }
+    for (int u = 0; u < 4; ++u) {
+      _mm256_store_ps(acc + u * D + c0, a[u][0]);
+      _mm256_store_ps(acc + u * D + c0 + 8, a[u][1]);
+    }
+  }
+}
+
+// ---- Decode over a shared prefix (cascade attention) ----
+// Sequences that share cached blocks from position 0 on (the radix cache hands a common prefix's blocks to every
+// sequence that starts with it) read those keys once for all of them: one pass per group and kv head scores the
+// prefix against every member's query rows together, as prefill scores a chunk's positions (each block of keys
+// transposed once for all the rows, then 4-row tiles), and leaves each row's running max, sum and unnormalized
+// P @ V. Each member's own pass then covers only its keys past the prefix and merges that state into its result
+// (decode_one_avx2's `prior`). Per sequence, a decode row meets a key with only its G heads: too few rows to pay
+// for a transpose, so its keys are scored as rows with a reduction per key; a group of 4 sequences brings 4 G.
+constexpr int64_t kMinSharedKeys = 64;  // a shorter common prefix: each sequence reads it on its own
+constexpr int64_t kSharedTileSeqs = 8;  // members per work item (8 G query rows a pass over the prefix)
+
+// The keys two sequences share from position 0 on: their tables' equal leading blocks, at most all but the last
+// key of the shorter (each member keeps a key of its own: its own pass is what merges the prefix's state).
+inline int64_t shared_keys(const int32_t* ta, int64_t la, const int32_t* tb, int64_t lb, int64_t block_size) {
+  const int64_t limit = std::min(la, lb) - 1;
+  int64_t k = 0;
+  while (k < limit && ta[k / block_size] == tb[k / block_size]) k += block_size;
+  return std::max<int64_t>(0, std::min(k, limit));
+}
+
+struct SharedGroup {
+  int64_t first, count, keys;  // order[first, first + count) share keys [0, keys)
+};
+
+// rows: the batch's rows in the order the items take them, sorted here by their tables (lexicographically, so
+// the sequences sharing any prefix lie next to each other); returns the groups of 2 or more that share at least
+// kMinSharedKeys, each as long a run as shares the prefix its first two rows share.
+inline std::vector<SharedGroup> shared_groups(std::vector<int64_t>& rows, const int32_t* tables, int64_t table_stride,
+                                              const int64_t* ids, const int32_t* lens, int64_t block_size) {
+  auto blocks = [&](int64_t b) { return (lens[ids[b]] + block_size - 1) / block_size; };
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
+    const int32_t* ta = tables + ids[a] * table_stride;
+    const int32_t* tc = tables + ids[c] * table_stride;
+    const int64_t na = blocks(a), nc = blocks(c);
+    for (int64_t i = 0; i < std::min(na, nc); ++i)
+      if (ta[i] != tc[i]) return ta[i] < tc[i];
+    return na < nc;
+  });
+  auto common = [&](int64_t a, int64_t c) {
+    return shared_keys(tables + ids[a] * table_stride, lens[ids[a]], tables + ids[c] * table_stride, lens[ids[c]],
+                       block_size);
+  };
+  std::vector<SharedGroup> groups;
+  const int64_t B = static_cast<int64_t>(rows.size());
+  for (int64_t i = 0; i + 1 < B;) {
+    const int64_t keys = common(rows[i], rows[i + 1]);
+    if (keys < kMinSharedKeys) {
+      ++i;
+      continue;
+    }
+    int64_t j = i + 2;
+    while (j < B && common(rows[i], rows[j]) >= keys) ++j;
+    groups.push_back({i, j - i, keys});
+    i = j;
+  }
+  return groups;
+}
+
+// One tile of a group's members against their shared keys [0, keys): each member's G query rows (qsrc[i], heads
+// head_stride apart) scored together, 4 rows at a time; state[i] gets that member's G rows' running max, sum and
+// unnormalized P @ V (D + 2 floats a row: m, l, acc).
+template <typename Q, typename KV, int D>
+void shared_prefix_avx2(const Q* const* qsrc, int64_t head_stride, int64_t members, int64_t G, float scale,
+                        const KV* k_base, const KV* v_base, int64_t block_stride, int64_t slot_stride,
+                        const int32_t* table, int64_t block_size, int64_t keys, float* const* state) {
+  constexpr int64_t kRows = kSharedTileSeqs * kMaxGroup;
+  const int64_t nr = members * G, tiles = (nr + 3) / 4;
+  alignas(32) float qf[kRows][D];
+  alignas(32) float acc[kRows][D];
+  float m[kRows], l[kRows];
+  for (int64_t i = 0; i < members; ++i) decode_queries<Q, KV>(qsrc[i], head_stride, G, D, scale, qf[i * G]);
+  for (int64_t r = 0; r < 4 * tiles; ++r) {  // rows past nr: computed in the last tile, never stored
+    if (r >= nr) std::fill(qf[r], qf[r] + D, 0.f);
+    std::fill(acc[r], acc[r] + D, 0.f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  constexpr int64_t KB = 32;  // keys a block: two transposed halves of 16, one softmax step, one P @ V pass
+  alignas(32) float kt[2][D][16];
+  alignas(32) float vf[std::is_same_v<KV, float> ? 1 : KB][D];
+  const float* vrow[KB];
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  auto fetch = [&](int64_t f0) {  // the next block's keys and values into L2 while this one is computed
+    for (int64_t pos = f0; pos < std::min(keys, f0 + KB); ++pos) {
+      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_base + slot) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_base + slot) + b, 0, 2);
+      }
+    }
+  };
+  fetch(0);
+  for (int64_t j0 = 0; j0 < keys; j0 += KB) {
+    const int64_t nk = std::min(KB, keys - j0);
+    fetch(j0 + KB);
+    for (int64_t h = 0; h < 2 && 16 * h < nk; ++h)
+      key_block_avx2<KV, D>(k_base, v_base, block_stride, slot_stride, table, block_size, j0 + 16 * h,
+                            std::min<int64_t>(16, nk - 16 * h), kt[h], std::is_same_v<KV, float> ? vf : vf + 16 * h,
+                            vrow + 16 * h);
+    __m256 valid[4];  // keys [j0, j0 + nk) of the lanes
+    for (int v = 0; v < 4; ++v)
+      valid[v] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(nk - 8 * v)), lanes));
+    for (int64_t t = 0; t < tiles; ++t) {
+      alignas(32) float sc[2][4][16];
+      alignas(32) float p[4][KB];
+      float corr[4];
+      scores16<4>(qf[4 * t], D, kt[0], &sc[0][0][0], 16);
+      if (nk > 16) scores16<4>(qf[4 * t], D, kt[1], &sc[1][0][0], 16);
+      for (int u = 0; u < 4; ++u) {  // the online softmax of prefill_item_avx2, every key visible
+        const int64_t r = 4 * t + u;
+        __m256 s[4];
+        for (int v = 0; v < 4; ++v)
+          s[v] = _mm256_blendv_ps(neg_inf, v < 2 || nk > 16 ? _mm256_load_ps(sc[v / 2][u] + 8 * (v % 2)) : neg_inf,
+                                  valid[v]);
+        const float m_new = std::max(m[r], hmax8(_mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3]))));
+        corr[u] = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
+        const __m256 mv = _mm256_set1_ps(m_new);
+        __m256 total = _mm256_setzero_ps();
+        for (int v = 0; v < 4; ++v) {
+          const __m256 e = _mm256_and_ps(valid[v], exp8(_mm256_sub_ps(s[v], mv)));
+          _mm256_store_ps(p[u] + 8 * v, e);
+          total = _mm256_add_ps(total, e);
+        }
+        l[r] = l[r] * corr[u] + hsum8(total);
+        m[r] = m_new;
+      }
+      pv_rows4<D, KB>(acc[4 * t], p, corr, nk, vrow);
+    }
+  }
+  for (int64_t i = 0; i < members; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      float* st = state[i] + g * (D + 2);
+      st[0] = m[i * G + g];
+      st[1] = l[i * G + g];
+      std::memcpy(st + 2, acc[i * G + g], D * sizeof(float));
+    }
 }
 #endif
 
@@ -1008,9 +1235,50 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   // comes from a share's far end, so it seldom splits a prefix group.
   std::vector<int64_t> rows(static_cast<size_t>(B));
   std::iota(rows.begin(), rows.end(), 0);
-  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
-    return tables[ids[a] * table_stride] < tables[ids[c] * table_stride];
-  });
+  bool sorted = false;
+#if defined(LORAPLEX_AVX2_ATTENTION)
+  // Shared prefixes first (shared_groups): one pass per group, tile of members and kv head leaves each member's
+  // state over the prefix in prior; the items below then read only their own keys and merge it.
+  std::vector<int64_t> shared_lo(static_cast<size_t>(B), 0);  // a row's keys [0, shared_lo) are in prior
+  std::vector<float> prior;  // (B, Hq, D + 2): m, l, acc
+  if constexpr (!std::is_same_v<KV, int8_t>) {
+    if (window <= 0 && (D == 64 || D == 128)) {
+      const auto groups = shared_groups(rows, tables, table_stride, ids, lens, block_size);
+      sorted = true;
+      std::vector<std::pair<const SharedGroup*, int64_t>> tiles;  // (group, its first member of the tile)
+      for (const auto& grp : groups)
+        for (int64_t i = 0; i < grp.count; i += kSharedTileSeqs) tiles.emplace_back(&grp, grp.first + i);
+      if (!tiles.empty()) {
+        prior.resize(static_cast<size_t>(B * Hq * (D + 2)));
+        const int64_t nt = static_cast<int64_t>(tiles.size());
+        parallel_stealing(nt * Hkv, [&](int64_t item, int64_t) {
+          const auto [grp, i0] = tiles[item % nt];
+          const int64_t h = item / nt, members = std::min(kSharedTileSeqs, grp->first + grp->count - i0);
+          const Q* qsrc[kSharedTileSeqs];
+          float* state[kSharedTileSeqs];
+          for (int64_t i = 0; i < members; ++i) {
+            const int64_t b = rows[i0 + i];
+            qsrc[i] = qp + b * q.stride(0) + h * G * q.stride(1);
+            state[i] = prior.data() + (b * Hq + h * G) * (D + 2);
+          }
+          const int32_t* table = tables + ids[rows[grp->first]] * table_stride;
+          if (D == 64)
+            shared_prefix_avx2<Q, KV, 64>(qsrc, q.stride(1), members, G, sc, kp + h * kh, vp + h * kh, kb, ks, table,
+                                          block_size, grp->keys, state);
+          else
+            shared_prefix_avx2<Q, KV, 128>(qsrc, q.stride(1), members, G, sc, kp + h * kh, vp + h * kh, kb, ks, table,
+                                           block_size, grp->keys, state);
+        });
+        for (const auto& grp : groups)
+          for (int64_t i = 0; i < grp.count; ++i) shared_lo[rows[grp.first + i]] = grp.keys;
+      }
+    }
+  }
+#endif
+  if (!sorted)
+    std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
+      return tables[ids[a] * table_stride] < tables[ids[c] * table_stride];
+    });
   struct Scratch {
     std::vector<float> scores;
     std::vector<int32_t> pairs;  // the probabilities in pairs: int16 (int8 caches), bf16 (bf16 caches)
@@ -1075,20 +1343,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     } else
 #endif
     {
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qsrc[g * q.stride(1) + d]);
-        if constexpr (std::is_same_v<KV, int8_t>) round_like_int8_rows(qf + g * D, D);
-        if constexpr (std::is_same_v<KV, bf16>)  // q in bf16, as the AVX-512 kernel scores it
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(bf16(qf[g * D + d]));
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= sc;
-      }
+      decode_queries<Q, KV>(qsrc, q.stride(1), G, D, sc, qf);
       bool done = false;
 #if defined(LORAPLEX_AVX2_ATTENTION)
       if constexpr (!std::is_same_v<KV, int8_t>) {
         if (D % 16 == 0) {
-          offs.resize(static_cast<size_t>(len - lo));
-          decode_one_avx2<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(),
-                              offs.data(), acc);
+          const int64_t own = std::max(lo, shared_lo[b]);  // keys a group's pass has not covered
+          offs.resize(static_cast<size_t>(len - own));
+          decode_one_avx2<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, own, len, G, D, scores.data(),
+                              offs.data(), acc, own > lo ? prior.data() + (b * Hq + h * G) * (D + 2) : nullptr);
           done = true;
         }
       }
@@ -1694,29 +1957,11 @@ void prefill_item_avx2(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq,
   alignas(32) float kt[D][KB];  // kt[d][j]: key j's dim d
   alignas(32) float vf[std::is_same_v<KV, float> ? 1 : KB][D];  // bf16 values widened once
   const float* vrow[KB];
-  const KV* krow[KB];
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
     const int64_t nk = std::min<int64_t>(KB, last + 1 - j0);
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t pos = j0 + j;
-      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
-      krow[j] = k_base + slot;
-      if constexpr (std::is_same_v<KV, float>) {
-        vrow[j] = v_base + slot;
-      } else {
-        for (int d = 0; d < D; d += 8) _mm256_store_ps(vf[j] + d, load8_f32(v_base + slot + d));
-        vrow[j] = vf[j];
-      }
-    }
-    for (int v = 0; v < KB / 8; ++v)
-      for (int d0 = 0; d0 < D; d0 += 8) {
-        __m256 in[8], tr[8];
-        for (int j = 0; j < 8; ++j) in[j] = 8 * v + j < nk ? load8_f32(krow[8 * v + j] + d0) : _mm256_setzero_ps();
-        transpose8(in, tr);
-        for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d0 + i] + 8 * v, tr[i]);
-      }
+    key_block_avx2<KV, D>(k_base, v_base, block_stride, slot_stride, table, block_size, j0, nk, kt, vf, vrow);
     const __m256i keys0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j0)), lane);
     const __m256i keys[2] = {keys0, _mm256_add_epi32(keys0, _mm256_set1_epi32(8))};
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
@@ -1757,28 +2002,7 @@ void prefill_item_avx2(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq,
           l[g][r] = l[g][r] * corr[u] + hsum8(_mm256_add_ps(p0, p1));
           m[g][r] = m_new;
         }
-        // P @ V for the 4 rows together, 16 dims at a time
-        for (int c0 = 0; c0 < D; c0 += 16) {
-          __m256 a[4][2];
-          for (int u = 0; u < 4; ++u) {
-            const __m256 cv = _mm256_set1_ps(corr[u]);
-            a[u][0] = _mm256_mul_ps(_mm256_load_ps(acc[g][r0 + u] + c0), cv);
-            a[u][1] = _mm256_mul_ps(_mm256_load_ps(acc[g][r0 + u] + c0 + 8), cv);
-          }
-          for (int64_t j = 0; j < seen; ++j) {
-            const __m256 v0 = _mm256_loadu_ps(vrow[j] + c0), v1 = _mm256_loadu_ps(vrow[j] + c0 + 8);
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-              const __m256 pv = _mm256_broadcast_ss(&pj[u][j]);
-              a[u][0] = _mm256_fmadd_ps(pv, v0, a[u][0]);
-              a[u][1] = _mm256_fmadd_ps(pv, v1, a[u][1]);
-            }
-          }
-          for (int u = 0; u < 4; ++u) {
-            _mm256_store_ps(acc[g][r0 + u] + c0, a[u][0]);
-            _mm256_store_ps(acc[g][r0 + u] + c0 + 8, a[u][1]);
-          }
-        }
+        pv_rows4<D>(acc[g][r0], pj, corr, seen, vrow);  // P @ V for the 4 rows together
       }
     }
   }

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dense_cpu, native_cpu
-from kernels.attention import StepAttentionPlan, paged_attention, paged_attention_ref, write_kv
+from kernels.attention import StepAttentionPlan, paged_attention, paged_attention_ref, scoring_query, write_kv
 from kernels.fused import add_rms_norm, rms_norm_ref, rope_store_kv, rotate_half_ref, silu_mul
 
 
@@ -102,6 +102,52 @@ def test_decode_attention_over_shared_prefix_blocks_in_any_row_order(ops, paged_
                                0.125, 0)
     want = dense_attention(batch, 0.125, None)[ids]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def _share(batch, rows, blocks):
+    """Rows `rows` read the first `blocks` blocks of rows[0]'s table (a prefix the radix cache hands them all)."""
+    for row in rows[1:]:
+        batch.block_tables[row, :blocks] = batch.block_tables[rows[0], :blocks]
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128), (1, 16, 64), (2, 1, 64)])
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"),
+                         [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("scale", [0.125, 1.0])  # 1.0: peaked rows, the prefix's and a row's own maxima far apart
+def test_decode_attention_over_long_shared_prefixes_matches_the_naive_reference(
+        ops, paged_batch, dense_attention, num_kv_heads, group, head_dim, q_dtype, cache_dtype, scale):
+    """Sequences that share 64 keys or more from position 0 on read them once per group (AVX2 builds: one
+    pass per group, tile of 8 members and kv head, whose state each member's own pass merges): a group of 10
+    (two tiles), one whose shortest member keeps a single key of its own, a group nested in a wider one, a
+    pair sharing only 32 keys (each on its own), rows on their own; a subset of the rows, in shuffled order."""
+    lens = [100, 97, 130, 120, 150, 99, 101, 140, 111, 105,  # 0-9 share 6 blocks (96 keys)
+            65, 81, 90,  # 10-12 share 5 blocks: row 10 keeps key 64 (the 65th) to itself
+            200, 180, 170, 220,  # 13-16 share 4 blocks, 14 and 15 share 10
+            40, 50,  # 17-18 share 2 blocks: too few
+            77, 1]  # on their own
+    batch = paged_batch([1] * len(lens), lens, block_size=16, num_kv_heads=num_kv_heads, group=group,
+                        head_dim=head_dim, dtype=q_dtype, seed=head_dim + group)
+    _share(batch, list(range(10)), 6)
+    _share(batch, [10, 11, 12], 5)
+    _share(batch, [13, 14, 15, 16], 4)
+    _share(batch, [14, 15], 10)
+    _share(batch, [17, 18], 2)
+    k, v = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    meant = dataclasses.replace(batch, q=scoring_query(batch.q, cache_dtype), k_cache=k.to(q_dtype),
+                                v_cache=v.to(q_dtype))
+    ids = torch.randperm(len(lens), generator=torch.Generator().manual_seed(3))[:-2]  # two rows left out
+    out = ops.decode_attention(batch.q[ids], k, v, batch.block_tables, ids, batch.seq_lens, scale, 0)
+    want = dense_attention(meant, scale, None)[ids]
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 1e-5  # bf16 q: the output's own rounding
+    if q_dtype != cache_dtype:
+        # float32 q over a bf16 cache: a row that merges a shared pass keeps its probabilities in fp32; the rows
+        # on their own (17-20) round theirs to bf16 as the AVX-512 kernel weighs them (test_kv_cache_dtypes)
+        alone = (ids >= 17).nonzero().flatten()
+        torch.testing.assert_close(out[alone].double(), dense_attention(meant, scale, None, torch.bfloat16)[ids][alone],
+                                   atol=1e-3, rtol=1e-3)
+        out, want = out[ids < 17], want[ids < 17]
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
