@@ -55,6 +55,8 @@ PAIRS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "float32+kvbf16": ({"dtype": "float32", "kv_cache_dtype": "bfloat16"}, ("F32",)),
     "w4a8+kvbf16": ({"dtype": "auto", "quantization": "w4a8", "quantize_lm_head": True, "kv_cache_dtype": "bfloat16"},
                     ("Q4_0",)),
+    "w4a8+kv8": ({"dtype": "auto", "quantization": "w4a8", "quantize_lm_head": True, "kv_cache_dtype": "int8"},
+                 ("Q4_0+kvq8_0",)),
     "float32+kv8": ({"dtype": "float32", "kv_cache_dtype": "int8"}, ("F32+kvq8_0",)),
     "bfloat16+kv8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, ("BF16+kvq8_0",)),
 }

@@ -190,6 +190,9 @@ inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8_f32(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+inline __m256 load8_f32(const int8_t* p) {  // an int8 cache row's values as they are (its scale is the caller's)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -479,12 +482,15 @@ inline void values_rows(const float* p, int64_t n, int64_t nk, const KV* v_base,
 // The rows of keys or values [j0, j0 + 16) (or fewer, to n) into L2, while the block before them is computed.
 template <typename KV>
 inline void fetch_rows(const KV* base, const int64_t* offs, int64_t j0, int64_t n, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(KV)) + (std::is_same_v<KV, int8_t> ? kInt8ScaleBytes : 0);
   for (int64_t j = j0; j < std::min<int64_t>(n, j0 + 16); ++j)
-    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
+    for (int64_t b = 0; b < bytes; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(base + offs[j]) + b, 0, 2);
 }
 
-// decode_one's AVX2 twin for float32 and bf16 rows, D a multiple of 16: keys read as rows in place, 8 at a
+// decode_one's AVX2 twin for float32, bf16 and int8 rows (widened to fp32 as they are read; an int8 row's scale
+// multiplies its key's score, and its value row's folds into that key's probability), D a multiple of 16: keys
+// read as rows in place, 8 at a
 // time scored by up to 4 heads in register chains with one horizontal add tree per 8 keys and head
 // (scores8_rows; transposing them cost more than it saved: a third of the op's samples); then the same
 // softmax; then P @ V in blocks of 16 keys, 32 dims x 3 heads (or 16 x 4) at a time in registers
@@ -525,6 +531,12 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
           default: scores8_rows<1>(q + g0 * D, D, rows, s + g0 * ss, ss); break;
         }
       }
+      if constexpr (std::is_same_v<KV, int8_t>) {  // int8 rows: each key's dot product times its row's scale
+        alignas(32) float ks[8];
+        for (int j = 0; j < 8; ++j) ks[j] = kv_scale(rows[j], D);
+        const __m256 kscale = _mm256_load_ps(ks);
+        for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(s + g * ss, _mm256_mul_ps(_mm256_loadu_ps(s + g * ss), kscale));
+      }
       if (nk < 8)
         for (int64_t g = 0; g < G; ++g) std::memcpy(scores + g * n + j8, tail[g], static_cast<size_t>(nk) * sizeof(float));
     }
@@ -545,6 +557,11 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
   // keeps them: rounding there would take the row's whole sum, which only the merge below knows)
   if constexpr (std::is_same_v<KV, bf16>)
     if (!prior) round_probs_bf16(scores, G, n, inv_sum);
+  if constexpr (std::is_same_v<KV, int8_t>)  // int8 rows: each value row's scale folded into its probabilities
+    for (int64_t j = 0; j < n; ++j) {
+      const float sv = kv_scale(v_base + offs[j], D);
+      for (int64_t g = 0; g < G; ++g) scores[g * n + j] *= sv;
+    }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
@@ -1346,14 +1363,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       decode_queries<Q, KV>(qsrc, q.stride(1), G, D, sc, qf);
       bool done = false;
 #if defined(LORAPLEX_AVX2_ATTENTION)
-      if constexpr (!std::is_same_v<KV, int8_t>) {
-        if (D % 16 == 0) {
-          const int64_t own = std::max(lo, shared_lo[b]);  // keys a group's pass has not covered
-          offs.resize(static_cast<size_t>(len - own));
-          decode_one_avx2<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, own, len, G, D, scores.data(),
-                              offs.data(), acc, own > lo ? prior.data() + (b * Hq + h * G) * (D + 2) : nullptr);
-          done = true;
-        }
+      if (D % 16 == 0) {
+        const int64_t own = std::max(lo, shared_lo[b]);  // keys a group's pass has not covered
+        offs.resize(static_cast<size_t>(len - own));
+        decode_one_avx2<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, own, len, G, D, scores.data(),
+                            offs.data(), acc, own > lo ? prior.data() + (b * Hq + h * G) * (D + 2) : nullptr);
+        done = true;
       }
 #endif
       if (!done) decode_one<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, lo, len, G, D, scores.data(), acc);

@@ -80,8 +80,8 @@ def _tolerance(q_dtype, cache_dtype):
 def test_decode_attention_over_a_finer_cache_matches_the_naive_reference(
         ops, paged_batch, dense_attention, q_dtype, cache_dtype, block_size, num_kv_heads, group, head_dim, window,
         head_major):
-    """AVX-512 builds run head_dim 64 / 128 on their kernel, 32 on the portable one; AVX2 builds run float32
-    and bf16 rows of any head_dim that is a multiple of 16 on their kernel, int8 rows on the portable one."""
+    """AVX-512 builds run head_dim 64 / 128 on their kernel, 32 on the portable one; AVX2 builds run float32,
+    bf16 and int8 rows of any head_dim that is a multiple of 16 on their kernel (int8 rows widened to fp32)."""
     lens = [1, 37, 5, 100, 64, 16, 17, 600]  # 600: the int8 kernel's int32 sums flushed every 256 keys
     batch = paged_batch([1] * len(lens), lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
                         head_dim=head_dim, dtype=q_dtype, seed=head_dim + group)
