@@ -327,6 +327,18 @@ inline void round_like_int8_rows(float* x, int64_t D) {
     x[d] = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / scale))) * scale : 0.f;
 }
 
+// The element offsets of positions lo .. len - 1 along a block table, worked out once per (sequence, kv head):
+// every pass over the keys and values then reads off[j] (no division or table lookup per key and pass).
+inline void slot_offsets(const int32_t* table, int64_t block_size, int64_t block_stride, int64_t slot_stride,
+                         int64_t lo, int64_t len, int64_t* __restrict off) {
+  int64_t j = lo;
+  while (j < len) {
+    const int64_t block = j / block_size, end = std::min(len, (block + 1) * block_size);
+    int64_t at = table[block] * block_stride + (j % block_size) * slot_stride;
+    for (; j < end; ++j, at += slot_stride) *off++ = at;
+  }
+}
+
 // q's G heads of one kv head (heads head_stride apart) as the decode kernels without AVX-512 take them: fp32,
 // rounded as the cache's rows are (int8: round_like_int8_rows; bf16: to bf16, as the AVX-512 kernel scores it),
 // times scale.
@@ -503,13 +515,7 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
                      int64_t lo, int64_t len, int64_t G, int64_t D, float* __restrict scores, int64_t* offs,
                      float* __restrict acc, const float* prior = nullptr) {
   const int64_t n = len - lo;
-  for (int64_t j = lo, blk = lo / block_size, slot = lo % block_size; j < len; ++j) {  // no division per key
-    offs[j - lo] = table[blk] * block_stride + slot * slot_stride;
-    if (++slot == block_size) {
-      slot = 0;
-      ++blk;
-    }
-  }
+  slot_offsets(table, block_size, block_stride, slot_stride, lo, len, offs);
   alignas(32) static const KV zeros[kMaxHeadDim] = {};  // the rows past n of a last group of 8 keys
   alignas(32) float tail[kMaxGroup][8];  // that group's scores (past n: not stored)
   fetch_rows(k_base, offs, 0, n, D);
@@ -613,14 +619,14 @@ inline void key_block_avx2(const KV* k_base, const KV* v_base, int64_t block_str
                            const int32_t* table, int64_t block_size, int64_t j0, int64_t nk, float (*kt)[16],
                            float (*vf)[D], const float** vrow) {
   const KV* krow[16];
+  int64_t off[16];
+  slot_offsets(table, block_size, block_stride, slot_stride, j0, j0 + nk, off);
   for (int64_t j = 0; j < nk; ++j) {
-    const int64_t pos = j0 + j;
-    const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
-    krow[j] = k_base + slot;
+    krow[j] = k_base + off[j];
     if constexpr (std::is_same_v<KV, float>) {
-      vrow[j] = v_base + slot;
+      vrow[j] = v_base + off[j];
     } else {
-      for (int d = 0; d < D; d += 8) _mm256_store_ps(vf[j] + d, load8_f32(v_base + slot + d));
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(vf[j] + d, load8_f32(v_base + off[j] + d));
       vrow[j] = vf[j];
     }
   }
@@ -744,13 +750,14 @@ void shared_prefix_avx2(const Q* const* qsrc, int64_t head_stride, int64_t membe
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   auto fetch = [&](int64_t f0) {  // the next block's keys and values into L2 while this one is computed
-    for (int64_t pos = f0; pos < std::min(keys, f0 + KB); ++pos) {
-      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+    int64_t off[KB];
+    const int64_t n = std::max<int64_t>(0, std::min(keys, f0 + KB) - f0);
+    slot_offsets(table, block_size, block_stride, slot_stride, f0, f0 + n, off);
+    for (int64_t j = 0; j < n; ++j)
       for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_base + slot) + b, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_base + slot) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(k_base + off[j]) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_base + off[j]) + b, 0, 2);
       }
-    }
   };
   fetch(0);
   for (int64_t j0 = 0; j0 < keys; j0 += KB) {
@@ -824,18 +831,6 @@ inline __m512 hsum16(const __m512* s) {
   const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
   const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
-}
-
-// The element offsets of positions lo .. len - 1 along a block table, worked out once per (sequence, kv head):
-// every pass over the keys and values then reads off[j] (no division or table lookup per key and pass).
-inline void slot_offsets(const int32_t* table, int64_t block_size, int64_t block_stride, int64_t slot_stride,
-                         int64_t lo, int64_t len, int64_t* __restrict off) {
-  int64_t j = lo;
-  while (j < len) {
-    const int64_t block = j / block_size, end = std::min(len, (block + 1) * block_size);
-    int64_t at = table[block] * block_stride + (j % block_size) * slot_stride;
-    for (; j < end; ++j, at += slot_stride) *off++ = at;
-  }
 }
 
 // Rows off[0 .. count) of `base` fetched into L2, row_bytes each: blocks are scattered, so the hardware
@@ -1613,9 +1608,10 @@ void prefill_item(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t Hq, cons
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = first_lo; j0 <= last; j0 += KB) {
     const int64_t nk = std::min<int64_t>(KB, last + 1 - j0);
+    int64_t off[KB];
+    slot_offsets(table, block_size, block_stride, slot_stride, j0, j0 + nk, off);
     for (int64_t j = 0; j < nk; ++j) {
-      const int64_t pos = j0 + j;
-      const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+      const int64_t slot = off[j];
       krow[j] = k_base + slot;
       if constexpr (std::is_same_v<KV, float>) {
         vrow[j] = v_base + slot;
