@@ -327,8 +327,9 @@ inline void round_like_int8_rows(float* x, int64_t D) {
     x[d] = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / scale))) * scale : 0.f;
 }
 
-// The element offsets of positions lo .. len - 1 along a block table, worked out once per (sequence, kv head):
-// every pass over the keys and values then reads off[j] (no division or table lookup per key and pass).
+// The element offsets of positions lo .. len - 1 along a block table, worked out once per walk (a sequence's
+// keys, or a block of them): every pass over the keys and values then reads off[j] (no division or table lookup
+// per key and pass).
 inline void slot_offsets(const int32_t* table, int64_t block_size, int64_t block_stride, int64_t slot_stride,
                          int64_t lo, int64_t len, int64_t* __restrict off) {
   int64_t j = lo;
@@ -502,10 +503,9 @@ inline void fetch_rows(const KV* base, const int64_t* offs, int64_t j0, int64_t 
 
 // decode_one's AVX2 twin for float32, bf16 and int8 rows (widened to fp32 as they are read; an int8 row's scale
 // multiplies its key's score, and its value row's folds into that key's probability), D a multiple of 16: keys
-// read as rows in place, 8 at a
-// time scored by up to 4 heads in register chains with one horizontal add tree per 8 keys and head
-// (scores8_rows; transposing them cost more than it saved: a third of the op's samples); then the same
-// softmax; then P @ V in blocks of 16 keys, 32 dims x 3 heads (or 16 x 4) at a time in registers
+// read as rows in place, 8 at a time scored by up to 4 heads in register chains with one horizontal add tree
+// per 8 keys and head (scores8_rows; transposing them cost more than it saved: a third of the op's samples);
+// then the same softmax; then P @ V in blocks of 16 keys, 32 dims x 3 heads (or 16 x 4) at a time in registers
 // (values_rows; decode_one adds every key's row into acc in memory). Each block's rows are fetched while the
 // block before them is computed: the rows of a sequence lie in blocks scattered over the cache, and a pass
 // that reads one slice of every row waits on memory for each (measured). offs: n scratch offsets.
@@ -516,7 +516,8 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
                      float* __restrict acc, const float* prior = nullptr) {
   const int64_t n = len - lo;
   slot_offsets(table, block_size, block_stride, slot_stride, lo, len, offs);
-  alignas(32) static const KV zeros[kMaxHeadDim] = {};  // the rows past n of a last group of 8 keys
+  // the rows past n of a last group of 8 keys (an int8 row's scale, 0, past its D values)
+  alignas(32) static const KV zeros[kMaxHeadDim + kInt8ScaleBytes] = {};
   alignas(32) float tail[kMaxGroup][8];  // that group's scores (past n: not stored)
   fetch_rows(k_base, offs, 0, n, D);
   fetch_rows(k_base, offs, 16, n, D);
@@ -618,6 +619,7 @@ template <typename KV, int D>
 inline void key_block_avx2(const KV* k_base, const KV* v_base, int64_t block_stride, int64_t slot_stride,
                            const int32_t* table, int64_t block_size, int64_t j0, int64_t nk, float (*kt)[16],
                            float (*vf)[D], const float** vrow) {
+  static_assert(!std::is_same_v<KV, int8_t>, "int8 rows carry a scale: widen them first (widened_blocks)");
   const KV* krow[16];
   int64_t off[16];
   slot_offsets(table, block_size, block_stride, slot_stride, j0, j0 + nk, off);
