@@ -20,7 +20,7 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         builds (head_dim 64 or 128, float32 or bf16 caches, no window) go further: rows whose tables share
         64 keys or more from position 0 on are scored against that prefix together, one pass per group and
         kv head (cascade attention), and each row's own pass over the rest merges the prefix's softmax
-        state; such rows keep their probabilities in fp32 over a bf16 cache.
+        state; such rows keep their probabilities in fp32 over a bf16 cache (has_shared_prefix_decode).
     prefill_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> (n, H_q, D)
         Semantics: q's n rows are one sequence's last n positions seq_len - n .. seq_len - 1; row i attends
         keys max(0, p - window + 1) .. p (all from 0 when window <= 0) read through `table` (its blocks),

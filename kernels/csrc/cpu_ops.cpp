@@ -1375,6 +1375,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
+// Whether decode_attention reads a prefix that sequences share once per group (shared_prefix_avx2): AVX2 builds.
+bool has_shared_prefix_decode() {
+#if defined(LORAPLEX_AVX2_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& seq_lens,
                             double scale, int64_t window) {
@@ -5043,6 +5052,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int seq_len, float scale, "
         "int window) -> Tensor");
   m.def("has_prefill_attention() -> bool", &has_prefill_attention);
+  m.def("has_shared_prefix_decode() -> bool", &has_shared_prefix_decode);
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("silu_linear(Tensor x, Tensor w, Tensor? scales, int n) -> Tensor");
