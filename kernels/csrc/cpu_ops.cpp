@@ -599,9 +599,9 @@ void decode_one_avx2(const float* __restrict q, const KV* __restrict k_base, con
     if (prior) {  // this pass's result (acc * inv_sum, of weight sum) and prior's (m, l, acc) on one max
       const float* pr = prior + g * (D + 2);
       const float top = std::max(mx[g], pr[0]);
-      const float own = sum[g] * std::exp(mx[g] - top), shared = pr[1] * std::exp(pr[0] - top);
-      const float inv = 1.f / (own + shared);
-      const __m256 w = _mm256_set1_ps(inv_sum[g] * own * inv), wp = _mm256_set1_ps(std::exp(pr[0] - top) * inv);
+      const float own = sum[g] * std::exp(mx[g] - top), at = std::exp(pr[0] - top);
+      const float inv = 1.f / (own + pr[1] * at);
+      const __m256 w = _mm256_set1_ps(inv_sum[g] * own * inv), wp = _mm256_set1_ps(at * inv);
       for (int64_t d = 0; d < D; d += 8)
         _mm256_storeu_ps(acc + g * D + d, _mm256_fmadd_ps(_mm256_loadu_ps(acc + g * D + d), w,
                                                           _mm256_mul_ps(_mm256_loadu_ps(pr + 2 + d), wp)));
@@ -692,20 +692,12 @@ struct SharedGroup {
   int64_t first, count, keys;  // order[first, first + count) share keys [0, keys)
 };
 
-// rows: the batch's rows in the order the items take them, sorted here by their tables (lexicographically, so
-// the sequences sharing any prefix lie next to each other); returns the groups of 2 or more that share at least
-// kMinSharedKeys, each as long a run as shares the prefix its first two rows share.
-inline std::vector<SharedGroup> shared_groups(std::vector<int64_t>& rows, const int32_t* tables, int64_t table_stride,
-                                              const int64_t* ids, const int32_t* lens, int64_t block_size) {
-  auto blocks = [&](int64_t b) { return (lens[ids[b]] + block_size - 1) / block_size; };
-  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
-    const int32_t* ta = tables + ids[a] * table_stride;
-    const int32_t* tc = tables + ids[c] * table_stride;
-    const int64_t na = blocks(a), nc = blocks(c);
-    for (int64_t i = 0; i < std::min(na, nc); ++i)
-      if (ta[i] != tc[i]) return ta[i] < tc[i];
-    return na < nc;
-  });
+// rows: the batch's rows sorted by their tables (sort_by_tables: the sequences sharing any prefix lie next to each
+// other); returns the groups of 2 or more that share at least kMinSharedKeys, each as long a run as shares the
+// prefix its first two rows share.
+inline std::vector<SharedGroup> shared_groups(const std::vector<int64_t>& rows, const int32_t* tables,
+                                              int64_t table_stride, const int64_t* ids, const int32_t* lens,
+                                              int64_t block_size) {
   auto common = [&](int64_t a, int64_t c) {
     return shared_keys(tables + ids[a] * table_stride, lens[ids[a]], tables + ids[c] * table_stride, lens[ids[c]],
                        block_size);
@@ -1224,6 +1216,22 @@ void decode_one_int8(const float* __restrict q, const int8_t* __restrict k_base,
 }
 #endif
 
+// Batch rows ordered by their sequences' block tables, lexicographically over the blocks they use: sequences
+// that share a cached prefix share its blocks from the first one on (the radix cache), so they lie next to each
+// other, the longest shared runs innermost.
+inline void sort_by_tables(std::vector<int64_t>& rows, const int32_t* tables, int64_t table_stride,
+                           const int64_t* ids, const int32_t* lens, int64_t block_size) {
+  auto blocks = [&](int64_t b) { return (lens[ids[b]] + block_size - 1) / block_size; };
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
+    const int32_t* ta = tables + ids[a] * table_stride;
+    const int32_t* tc = tables + ids[c] * table_stride;
+    const int64_t na = blocks(a), nc = blocks(c);
+    for (int64_t i = 0; i < std::min(na, nc); ++i)
+      if (ta[i] != tc[i]) return ta[i] < tc[i];
+    return na < nc;
+  });
+}
+
 template <typename Q, typename KV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& seq_lens,
@@ -1242,28 +1250,31 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* ids = seq_ids.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float sc = static_cast<float>(scale);
-  // Work items in head-major order, and within a head the rows whose sequences start in the same block next to
-  // each other: sequences sharing a cached prefix share its blocks from the first one on (the radix cache), so
-  // the second and later reads of those keys and values come from L2 instead of memory (the order changes no
-  // result: every item is computed on its own). Each thread walks its share in that order; a stolen item
-  // comes from a share's far end, so it seldom splits a prefix group.
+  // Work items in head-major order, and within a head the rows sorted by their tables (sort_by_tables): the
+  // rows sharing a cached prefix one after the other, so the second and later reads of its keys and values
+  // come from L2 instead of memory (the order changes no result: every item is computed on its own). Each
+  // thread walks its share in that order; a stolen item comes from a share's far end, so it seldom splits a
+  // prefix group.
   std::vector<int64_t> rows(static_cast<size_t>(B));
   std::iota(rows.begin(), rows.end(), 0);
-  bool sorted = false;
+  sort_by_tables(rows, tables, table_stride, ids, lens, block_size);
 #if defined(LORAPLEX_AVX2_ATTENTION)
   // Shared prefixes first (shared_groups): one pass per group, tile of members and kv head leaves each member's
   // state over the prefix in prior; the items below then read only their own keys and merge it.
   std::vector<int64_t> shared_lo(static_cast<size_t>(B), 0);  // a row's keys [0, shared_lo) are in prior
-  std::vector<float> prior;  // (B, Hq, D + 2): m, l, acc
+  // (B, Hq, D + 2): m, l, acc. The calling thread's buffer, kept from call to call (one call a layer); the items
+  // reach it through `prior` (a thread_local named in them would be each worker's own)
+  thread_local std::vector<float> prior_buffer;
+  float* prior = nullptr;
   if constexpr (!std::is_same_v<KV, int8_t>) {
     if (window <= 0 && (D == 64 || D == 128)) {
       const auto groups = shared_groups(rows, tables, table_stride, ids, lens, block_size);
-      sorted = true;
       std::vector<std::pair<const SharedGroup*, int64_t>> tiles;  // (group, its first member of the tile)
       for (const auto& grp : groups)
         for (int64_t i = 0; i < grp.count; i += kSharedTileSeqs) tiles.emplace_back(&grp, grp.first + i);
       if (!tiles.empty()) {
-        prior.resize(static_cast<size_t>(B * Hq * (D + 2)));
+        prior_buffer.resize(static_cast<size_t>(B * Hq * (D + 2)));
+        prior = prior_buffer.data();
         const int64_t nt = static_cast<int64_t>(tiles.size());
         parallel_stealing(nt * Hkv, [&](int64_t item, int64_t) {
           const auto [grp, i0] = tiles[item % nt];
@@ -1273,7 +1284,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           for (int64_t i = 0; i < members; ++i) {
             const int64_t b = rows[i0 + i];
             qsrc[i] = qp + b * q.stride(0) + h * G * q.stride(1);
-            state[i] = prior.data() + (b * Hq + h * G) * (D + 2);
+            state[i] = prior + (b * Hq + h * G) * (D + 2);
           }
           const int32_t* table = tables + ids[rows[grp->first]] * table_stride;
           if (D == 64)
@@ -1289,10 +1300,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   }
 #endif
-  if (!sorted)
-    std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) {
-      return tables[ids[a] * table_stride] < tables[ids[c] * table_stride];
-    });
   struct Scratch {
     std::vector<float> scores;
     std::vector<int32_t> pairs;  // the probabilities in pairs: int16 (int8 caches), bf16 (bf16 caches)
@@ -1364,7 +1371,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t own = std::max(lo, shared_lo[b]);  // keys a group's pass has not covered
         offs.resize(static_cast<size_t>(len - own));
         decode_one_avx2<KV>(qf, kh_base, vh_base, kb, ks, table, block_size, own, len, G, D, scores.data(),
-                            offs.data(), acc, own > lo ? prior.data() + (b * Hq + h * G) * (D + 2) : nullptr);
+                            offs.data(), acc, own > lo ? prior + (b * Hq + h * G) * (D + 2) : nullptr);
         done = true;
       }
 #endif
