@@ -69,6 +69,25 @@ def test_prefill_logits_of_each_adapter_match_peft(four_adapters):
         assert (got - base_logits).abs().max().item() > 1e-2, f"{name} changes nothing"
 
 
+def test_adapters_taking_turns_in_one_slot_each_match_peft(four_adapters):
+    """One slot, rewritten as adapters take turns in it (q/v only, then every projection, then q/v again):
+    each generation matches peft running that adapter. The steps' LoRA operands are kept from step to step
+    for the same slots (LoRAStepContext.native_layer_args); a slot write must drop them, or the second
+    adapter would run with the first one's groups."""
+    model_dir, _, refs = four_adapters
+    llm = LLM(model_dir, num_kv_blocks=32, max_loras=1, max_lora_rank=64)
+    for name in ("r16-qv", "r4-all"):
+        llm.load_adapter(name, refs[name].path)
+    prompt = random_prompts(llm.engine.model_config.vocab_size, [21], seed=11)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    eos = llm.tokenizer.eos_token_ids
+    for name in ("r16-qv", "r4-all", "r16-qv"):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, adapters=[name])[0]
+        want, _ = refs[name].greedy(prompt, 6, eos)
+        assert out.outputs[0].token_ids == want, name
+    assert llm.engine.stats().lora_slot_loads == 3
+
+
 def test_bf16_mixed_batch_stays_close_to_fp32(four_adapters):
     model_dir, _, refs = four_adapters
     prompts = random_prompts(1000, [30, 12, 45, 7], seed=9)
