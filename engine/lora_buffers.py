@@ -101,7 +101,8 @@ class LoRADeviceBuffers:
         # Host mirror of which (layer, group) each slot adapts, so unadapted groups skip the kernel call.
         self._adapted: list[list[set[str]]] = [[set() for _ in range(mc.num_layers)] for _ in range(num_slots)]
         # LoRAStepContext.native_layer_args by (layer, dtype, active slots); emptied by every write (callers
-        # never mutate what it holds)
+        # never mutate what it holds). An entry keeps its transposed B alive should the CPU path's own cache
+        # drop it (kernels.lora_cpu._cache_put): the same values, as B changes only in a write.
         self.native_args_cache: dict[tuple[int, torch.dtype, tuple[int, ...]],
                                      tuple[list[torch.Tensor], list[int]] | None] = {}
 
