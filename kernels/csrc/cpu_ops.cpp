@@ -24,7 +24,8 @@
 //   w8a8_linear        int8 weights x the activations rounded to int8 per row at the call, int32 sums by
 //                      AVX512-VNNI (bf16 x), or by AVX2 byte and word multiply-adds (bf16 or float32 x)
 //   w4a8_linear        int4 group-wise weights x the activations rounded as w8a8_linear's, AVX2 byte
-//                      multiply-adds summed 16 k in int16 before they widen (bf16 or float32 x)
+//                      multiply-adds summed 16 k in int16 before they widen, or AVX512-VNNI products of 4 k
+//                      straight into int32 where the CPU has them (bf16 or float32 x; set_w4a8_vnni)
 //                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
 //                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call (a thread
@@ -4655,6 +4656,97 @@ inline void w4a8_tile(const int8_t* xq, int64_t K, const float* xsum, int64_t G,
   }
 }
 
+// AVX512-VNNI (where the CPU has it): the same products by VPDPBUSD, q (0..15, the unsigned operand) times qx
+// (signed) summed 4 k at a time straight into int32, one instruction for the four above (VPMADDUBSW, the int16
+// add, VPMADDWD, the int32 add) and 16 columns a vector: a 32-byte load of 4 k is broadcast to both halves of
+// a register, the upper half shifted down a nibble, so its 16 lanes are the panel's 16 columns in order. The
+// int32 sums are exact either way and each group's fp32 steps are w4a8_group_step's, in the same order, so it
+// gives the AVX2 kernels' results to the bit (set_w4a8_vnni(false) runs those, for the tests and A/B runs).
+#if defined(LORAPLEX_W8A8_VNNI) && defined(__AVX512VL__)
+#define LORAPLEX_W4A8_VNNI 1
+std::atomic<bool> w4a8_vnni_wanted{true};
+
+// A panel's group g of 16 columns for MR rows of qx (row-major, stride K): y[i] += s * sum + (z - 8 s) * xsum.
+// Below 4 rows two sums a row alternate by 4 k, so that two products are in flight per row.
+template <int MR, class S>
+inline void w4a8_vnni_groups(const int8_t* __restrict xq, int64_t K, const float* __restrict xsum, int64_t G,
+                             int64_t group, const uint8_t* __restrict panel, const S* __restrict sz, __m512* y) {
+  constexpr int A = MR < 4 ? 2 : 1;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  for (int64_t g = 0; g < G; ++g) {
+    v16si sum[A][MR];
+    for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) sum[a][i] = (v16si)_mm512_setzero_si512();
+    for (int64_t j = g * group / 4; j < (g + 1) * group / 4; j += A) {  // vector j: 4 k x 16 columns
+#pragma GCC unroll 2
+      for (int a = 0; a < A; ++a) {
+        const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (j + a) * 32)));
+        const v16si q = (v16si)_mm512_and_si512(_mm512_srlv_epi16(both, shift), low);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          int32_t quad;
+          std::memcpy(&quad, xq + i * K + 4 * (j + a), sizeof quad);
+          sum[a][i] = __builtin_ia32_vpdpbusd_v16si(sum[a][i], q, (v16si)_mm512_set1_epi32(quad));
+        }
+      }
+    }
+    const __m512 s = load16(sz + g * 32);
+    const __m512 z8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, load16(sz + g * 32 + 16));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      __m512i total = (__m512i)sum[0][i];
+      if constexpr (A == 2) total = _mm512_add_epi32(total, (__m512i)sum[1][i]);
+      y[i] = _mm512_fmadd_ps(z8, _mm512_set1_ps(xsum[i * G + g]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, y[i]));
+    }
+  }
+}
+
+// MR rows x one panel (from column n0), stored as y * sx + bias below N.
+template <int MR, class T>
+inline void w4a8_vnni_tile(const int8_t* xq, int64_t K, const float* xsum, int64_t G, int64_t group, const float* sx,
+                           const uint8_t* panel, const T* sz, int64_t n0, int64_t N, T* out, const float* bias) {
+  __m512 y[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) y[i] = _mm512_setzero_ps();
+  w4a8_vnni_groups<MR>(xq, K, xsum, G, group, panel, sz, y);
+  const int64_t valid = std::min<int64_t>(16, N - n0);
+  const __mmask16 mask = first_lanes(valid);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int i = 0; i < MR; ++i) store16m(out + i * N + n0, _mm512_fmadd_ps(y[i], _mm512_set1_ps(sx[i]), bv), mask);
+}
+
+// Every panel (threads steal panels) x every row, 8 rows a tile: a panel's quads (K / 2 bytes) stay in L1 while
+// the row tiles pass.
+template <class T>
+void w4a8_run_vnni(const RowsI8& rows, const float* xsum, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
+                   int64_t n, const T* sz, int64_t G, const float* bias, T* op) {
+  constexpr int64_t kRows = 8;
+  const int64_t group = K / G;
+  parallel_stealing(P, [&](int64_t p, int64_t) {
+    const uint8_t* panel = wp + p * K * 8;
+    const T* psz = sz + p * G * 32;
+    for (int64_t m = 0; m < M; m += kRows) {
+      const int8_t* xq = rows.q.data() + m * K;
+      const float* xm = xsum + m * G;
+      const float* sx = rows.scale.data() + m;
+      T* om = op + m * n;
+      switch (std::min<int64_t>(kRows, M - m)) {
+        case 8: w4a8_vnni_tile<8>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        case 7: w4a8_vnni_tile<7>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        case 6: w4a8_vnni_tile<6>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        case 5: w4a8_vnni_tile<5>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        case 4: w4a8_vnni_tile<4>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        case 3: w4a8_vnni_tile<3>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        case 2: w4a8_vnni_tile<2>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+        default: w4a8_vnni_tile<1>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
+      }
+    }
+  });
+}
+#endif
+
 template <class T>
 void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, int64_t P, int64_t n, const T* sz,
               int64_t G, const float* bias, T* op) {
@@ -4668,22 +4760,6 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
   thread_local Buffers buffers;
   RowsI8& rows = buffers.rows;
   round_rows_i8_avx2(xp, xs, M, K, rows);
-  constexpr int64_t kRows = 4;  // rows a tile: w4a8_half's 4 fp32 accumulators, 4 int32 sums and a block's 4 q
-  // from here w4a8_wide: measured on Zen 1 (2 threads, the bench model's projections), 4 rows ran 0.92-0.97x
-  // w4a8_half's speed, 8 rows 0.99-1.03x, 32 rows 1.08-1.12x, 512 rows 1.12-1.18x (docs/benchmarks.md)
-  constexpr int64_t kWideRows = 8;
-  // each tile's rows interleaved by 16 k: [k / 16][row][16], so a tile reads its rows through one pointer (with a
-  // pointer per row the block loop ran out of general registers and reloaded them from the stack)
-  std::vector<int8_t>& tiles = buffers.tiles;
-  tiles.resize(static_cast<size_t>(M * K));
-  at::parallel_for(0, (M + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t m0 = tile * kRows, mr = std::min(kRows, M - m0);
-      for (int64_t b = 0; b < K / 16; ++b)
-        for (int64_t i = 0; i < mr; ++i)
-          std::memcpy(tiles.data() + m0 * K + (b * mr + i) * 16, rows.q.data() + (m0 + i) * K + 16 * b, 16);
-    }
-  });
   const int64_t group = K / G;
   std::vector<float>& xsum = buffers.xsum;  // each row's sum of qx over each group (exact)
   xsum.resize(static_cast<size_t>(M * G));
@@ -4703,6 +4779,28 @@ void w4a8_run(const T* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* wp, 
         for (int32_t v : lanes) total += v;
         xsum[m * G + g] = static_cast<float>(total);
       }
+  });
+#if defined(LORAPLEX_W4A8_VNNI)
+  if (w4a8_vnni_wanted.load(std::memory_order_relaxed)) {
+    w4a8_run_vnni(rows, xsum.data(), M, K, wp, P, n, sz, G, bias, op);
+    return;
+  }
+#endif
+  constexpr int64_t kRows = 4;  // rows a tile: w4a8_half's 4 fp32 accumulators, 4 int32 sums and a block's 4 q
+  // from here w4a8_wide: measured on Zen 1 (2 threads, the bench model's projections), 4 rows ran 0.92-0.97x
+  // w4a8_half's speed, 8 rows 0.99-1.03x, 32 rows 1.08-1.12x, 512 rows 1.12-1.18x (docs/benchmarks.md)
+  constexpr int64_t kWideRows = 8;
+  // each tile's rows interleaved by 16 k: [k / 16][row][16], so a tile reads its rows through one pointer (with a
+  // pointer per row the block loop ran out of general registers and reloaded them from the stack)
+  std::vector<int8_t>& tiles = buffers.tiles;
+  tiles.resize(static_cast<size_t>(M * K));
+  at::parallel_for(0, (M + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t m0 = tile * kRows, mr = std::min(kRows, M - m0);
+      for (int64_t b = 0; b < K / 16; ++b)
+        for (int64_t i = 0; i < mr; ++i)
+          std::memcpy(tiles.data() + m0 * K + (b * mr + i) * 16, rows.q.data() + (m0 + i) * K + 16 * b, 16);
+    }
   });
   if (M < kWideRows) {
     parallel_stealing(P, [&](int64_t p, int64_t) {
@@ -4809,6 +4907,18 @@ at::Tensor w4a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
   return at::Tensor();
 }
 #endif
+
+// Turn w4a8_linear's AVX512-VNNI kernel on or off for this process (off: the AVX2 kernels); returns whether it
+// runs now (on, and built: an AVX512-VNNI CPU).
+bool set_w4a8_vnni(bool enable) {
+#if defined(LORAPLEX_W4A8_VNNI)
+  w4a8_vnni_wanted.store(enable);
+  return enable;
+#else
+  (void)enable;
+  return false;
+#endif
+}
 
 // ---- layer_forward -----------------------------------------------------------------------------------------
 // One decoder layer of a step: the ops above in the model's order (engine/models/llama.py), LoRA adds
@@ -5082,6 +5192,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("has_int4_linear_f32() -> bool", &has_int4_linear_f32);
   m.def("w4a8_linear(Tensor x, Tensor w, Tensor scale_zeros, int n, Tensor? bias) -> Tensor");
   m.def("has_w4a8_linear() -> bool", &has_w4a8_linear);
+  m.def("set_w4a8_vnni(bool enable) -> bool", &set_w4a8_vnni);
   m.def("layer_forward(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "

@@ -459,6 +459,42 @@ def test_w4a8_quads_equal_the_integer_product(ops, m, n, k, group, dtype):
 
 
 @pytest.fixture
+def w4a8_vnni_restored(ops):
+    """w4a8's AVX512-VNNI kernel switched back on after the test (a failing test must not leave it off)."""
+    yield
+    ops.set_w4a8_vnni(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 40, 70])
+@pytest.mark.parametrize(("n", "k", "group"), [(40, 64, 32), (600, 128, 64), (16, 1536, 128), (24, 256, 256)])
+def test_w4a8_vnni_kernel_equals_the_avx2_kernels(ops, w4a8_vnni_restored, m, n, k, group, dtype):
+    """Where the CPU has AVX512-VNNI, w4a8 runs 4-k products straight into int32 (1-3 rows with two sums a row,
+    tiles of 8 rows and a remainder); its int32 sums are exact and its fp32 steps the AVX2 kernels', so the two
+    give the same bits, the int16 extremes (q = 15 and 0 against qx = +-127) and a zero row included."""
+    from kernels.quant import int4_from_values, linear, place
+
+    if not ops.set_w4a8_vnni(True):
+        pytest.skip("this CPU has no AVX512-VNNI: w4a8 runs the AVX2 kernels only")
+    g = torch.Generator().manual_seed(7 * m + n + k + group)
+    values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    values[0], values[1] = 15, 0
+    scales = (torch.rand(k // group, n, generator=g) * 0.1 + 0.01).to(dtype)
+    zeros = (torch.randn(k // group, n, generator=g) * 0.1).to(dtype)
+    placed = place(int4_from_values(values, scales, zeros, group, activations="int8"), "cpu")
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0] = -2.0  # qx = -127 at every k
+    x[m // 2] = 0 if m > 1 else x[m // 2]
+    bias = torch.randn(n, generator=g).to(dtype)
+    for b in (None, bias):
+        vnni = linear(x, placed, b)
+        assert not ops.set_w4a8_vnni(False)
+        avx2 = linear(x, placed, b)
+        assert ops.set_w4a8_vnni(True)
+        assert torch.equal(vnni, avx2)
+
+
+@pytest.fixture
 def amx_off(ops):
     """The AVX-512 tiles for the test's length, restored after (a failing test must not leave AMX off)."""
     ops.set_amx(False)
