@@ -2606,15 +2606,19 @@ void lora_shrink_tile(const T* const* xr, const T* a, int64_t r, int64_t h_in, f
 #if defined(__AVX512BF16__)
 // The bf16 twin: x_m and A[j] as k pairs straight into VDPBF16PS (32 products an instruction, no widening),
 // fp32 sums; a masked tail loads zeros past h_in.
+// The accumulators here and in the expand below are GCC's own vector type, not __m512 (may_alias), and the expand's
+// epilogue is unrolled: before, GCC 12 stored all 16 of the expand's accumulators to the stack at every pair of
+// rows of B. One layer's adds at 8 slots x 4 tokens, factors in cache: 0.10 -> 0.07 ms (Zen 4, 2 threads).
+typedef float v16sf __attribute__((vector_size(64)));
+
 template <int M>
 void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int64_t h_in, float scale, float* out,
                            int64_t out_stride, Prefetcher& pf) {
-  const __m512 zero = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < r; j0 += 4) {
     const bf16* ar[4];
     for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(j0 + jj, r - 1) * h_in;  // past r: ignored
-    __m512 acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = zero;
+    v16sf acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = (v16sf)_mm512_setzero_ps();
     for (int64_t k = 0; k < h_in; k += 32) {
       const int64_t left = h_in - k;
       const __mmask32 lanes = left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
@@ -2624,11 +2628,13 @@ void lora_shrink_tile_bf16(const bf16* const* xr, const bf16* a, int64_t r, int6
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_maskz_loadu_epi16(lanes, xr[m] + k);
         for (int jj = 0; jj < 4; ++jj)
-          acc[m * 4 + jj] = _mm512_dpbf16_ps(acc[m * 4 + jj], (__m512bh)xv, (__m512bh)av[jj]);
+          acc[m * 4 + jj] = __builtin_ia32_dpbf16ps_v16sf(acc[m * 4 + jj], (__v32bh)xv, (__v32bh)av[jj]);
       }
     }
+    __m512 sums16[16];
+    for (int u = 0; u < 16; ++u) sums16[u] = (__m512)acc[u];
     alignas(64) float sums[16];
-    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16(sums16), _mm512_set1_ps(scale)));
     for (int m = 0; m < M; ++m)
       for (int jj = 0; jj < 4 && j0 + jj < r; ++jj) out[m * out_stride + j0 + jj] = sums[m * 4 + jj];
   }
@@ -2677,9 +2683,9 @@ void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
-    __m512 acc[M][4];  // [m][2 g + h]: 32-column group g, lo (h = 0) or hi (h = 1) half
+    v16sf acc[M][4];  // [m][2 g + h]: 32-column group g, lo (h = 0) or hi (h = 1) half
     for (int m = 0; m < M; ++m)
-      for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_ps();
+      for (int q = 0; q < 4; ++q) acc[m][q] = (v16sf)_mm512_setzero_ps();
     __mmask32 cols[2];
     for (int g = 0; g < 2; ++g) {
       const int64_t left = n - c0 - 32 * g;
@@ -2699,14 +2705,16 @@ void lora_expand_tile_bf16(Y* const* yr, const float* u, int64_t u_stride, const
       for (int m = 0; m < M; ++m) {
         const uint32_t lo = bf16(u[m * u_stride + j]).x, hi = pair ? bf16(u[m * u_stride + j + 1]).x : 0;
         const __m512i um = _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
-        for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)um, (__m512bh)bv[q]);
+        for (int q = 0; q < 4; ++q) acc[m][q] = __builtin_ia32_dpbf16ps_v16sf(acc[m][q], (__v32bh)um, (__v32bh)bv[q]);
       }
     }
+#pragma GCC unroll 4
     for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
       for (int g = 0; g < 2; ++g) {
         if (cols[g] == 0) continue;
-        const __m512 parts[2] = {_mm512_permutex2var_ps(acc[m][2 * g], first, acc[m][2 * g + 1]),
-                                 _mm512_permutex2var_ps(acc[m][2 * g], second, acc[m][2 * g + 1])};
+        const __m512 lo = (__m512)acc[m][2 * g], hi = (__m512)acc[m][2 * g + 1];
+        const __m512 parts[2] = {_mm512_permutex2var_ps(lo, first, hi), _mm512_permutex2var_ps(lo, second, hi)};
         for (int h = 0; h < 2; ++h) {
           const int64_t c = c0 + 32 * g + 16 * h;
           if (c >= n) continue;
