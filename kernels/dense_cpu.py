@@ -176,7 +176,7 @@ def can_pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> bool:
 def can_pack_w4a8(k: int, group_size: int, dtype: torch.dtype) -> bool:
     """Whether int4 weights of K inputs with int8 activations and scales in `dtype` (bf16 or float32) go to
     the native int4 quads (kernels.quant_cpu.pack_int4_quads): groups of a multiple of 32 inputs, prepacking
-    on and the native AVX2 kernel built (`w4a8_linear`)."""
+    on and the native kernel built (`w4a8_linear`: AVX2 builds, AVX512-VNNI products where the CPU has them)."""
     if dtype not in (torch.bfloat16, torch.float32) or k % group_size or group_size % 32:
         return False
     if os.environ.get(PREPACK_ENV, "1") == "0":

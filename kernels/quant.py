@@ -216,7 +216,7 @@ def place(w: Weight, device: torch.device | str) -> Weight:
     else int4 goes to torch's CPU layout where that kernel exists and N is a multiple of 16 (else it stays
     in nibbles and is dequantized per call). int8 with int8 activations goes to the native quads where a
     native int8 x int8 kernel reads the scales' dtype (VNNI, AVX2), else stays in rows; int4 with int8
-    activations to the native int4 quads where the AVX2 int4 x int8 kernel runs, else as weight-only int4
+    activations to the native int4 quads where the int4 x int8 kernel runs (AVX2 builds), else as weight-only int4
     (its rounded rows run through that path: `linear`)."""
     device = torch.device(device)
     if isinstance(w, PackedDense):

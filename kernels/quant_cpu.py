@@ -16,7 +16,7 @@ model's shapes, torch 2.13):
 
 Where the native kernels are built (kernels.dense_cpu), weights placed into their panels skip all of the
 above: int8 and int4 panels for bf16 activations (AVX512-BF16), single-k int8 and int4 panels for float32
-activations (AVX2), int8 quads for w8a8, int4 quads for w4a8 (AVX2).
+activations (AVX2), int8 quads for w8a8, int4 quads for w4a8 (AVX2, with AVX512-VNNI products where the CPU has them).
 
 torch's int4 layout is blocked (64 rows per block with AVX-512, 32 otherwise; the pairing of rows in a byte
 depends on the CPU capability), so `unpack_int4` reads it back through the row order it probes from the
