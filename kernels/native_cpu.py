@@ -40,11 +40,13 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         (any kind layer_forward takes), no bias; equal to the two ops bit for bit. On AMX tiles (bf16 x over
         bf16 panels or w8a8 quads, n / 2 a multiple of 16) the product's epilogue computes it, so the
         (rows, n) product is never written.
-    bf16_linear / f32_linear / int8_linear / int4_linear / w8a8_linear, lora_add
+    bf16_linear / f32_linear / int8_linear / int4_linear / w8a8_linear / w4a8_linear, lora_add
         The panel GEMMs and the batched LoRA add: semantics in kernels.dense_cpu and kernels.lora_cpu.
         bf16 x (bf16, int8, int4 panels): AVX512-BF16 builds; float32 x (f32 and int8 panels): AVX-512 or
         AVX2 builds (has_f32_linear, has_int8_linear_f32); w8a8 (int8 x int8): AVX512-VNNI for bf16 x,
-        AVX2 for bf16 and float32 x (has_w8a8_linear, has_w8a8_linear_f32).
+        AVX2 for bf16 and float32 x (has_w8a8_linear, has_w8a8_linear_f32); w4a8 (int4 x int8): AVX2
+        builds, its products by AVX512-VNNI where the CPU has them (set_w4a8_vnni(False) runs the AVX2
+        kernels, which give the same bits).
     layer_forward(x, h, <the layer's projections>, ..., lora operands) -> next h
         Semantics: one decoder layer of a step, exactly the ops above in the order engine/models/llama.py's
         layer loop calls them (their twins where the op is not built), LoRA adds included: one Python call
