@@ -173,13 +173,13 @@ def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, pa
             continue
         w, x = torch.randn(600, 96, generator=g).to(dtype), torch.randn(40, 96, generator=g).to(dtype)
         packed = dense_cpu.pack(w)
-        for m in (3, 40):  # one tile (no prefetch), several (the next group fetched ahead)
+        for m in (1, 3, 40):  # runs of 8 panels, one tile (no prefetch), several (the next group fetched ahead)
             cases.append((f"dense {dtype} m={m}", lambda x=x[:m], packed=packed: dense_cpu.linear(x, packed)))
     if ops.has_bf16_linear():
         xb = torch.randn(40, 128, generator=g).bfloat16()
         placed8 = place(quantize_int8(torch.randn(600, 128, generator=g), torch.bfloat16), "cpu")
         placed4 = place(quantize_int4(torch.randn(600, 128, generator=g), 32, torch.bfloat16), "cpu")
-        for m in (3, 13):  # streaming tiles, the widened-panel scratch
+        for m in (1, 3, 13):  # runs of 8 panels, streaming tiles, the widened-panel scratch
             cases.append((f"int8 m={m}", lambda x=xb[:m]: linear(x, placed8)))
             cases.append((f"int4 m={m}", lambda x=xb[:m]: linear(x, placed4)))
     if ops.has_w8a8_linear():
@@ -318,6 +318,35 @@ def test_panel_linear_equals_f_linear(ops, dtype, m, n, k):
     ids = torch.tensor([0, n - 1, 17, 17, 5])
     assert torch.equal(dense_cpu.rows(packed, ids), w[ids])  # a tied embedding's lookup
     assert packed.nbytes == -(-n // 16) * 16 * k * w.element_size()
+
+
+@pytest.mark.parametrize("panels", [1, 3, 5, 8, 13, 36, 60, 128])
+def test_decode_rows_equal_the_same_rows_in_a_batch(ops, panels, restore_threads):
+    """One or two rows stream their bf16 or int8 panels in runs of up to 8, split evenly across the threads;
+    more rows run the 6-row tiles over groups of 4. Both sum every column in the same k order, so a row's
+    product does not depend on how many rows came with it: equal to the bit. Panel counts give runs of 1..8
+    on 1 and 2 threads, and N ends part-way into its last panel."""
+    from kernels.quant import linear, place, quantize_int8
+
+    _need_panels(ops, torch.bfloat16)
+    g = torch.Generator().manual_seed(panels)
+    n, k = 16 * panels - 5, 256
+    # W's second half is minus its first and x's second half equals its first: every exact sum is 0, and what
+    # the fp32 sums leave is their rounding, which another order of k changes (random data would round to
+    # the same bf16 almost always)
+    w = (torch.randn(n, k // 2, generator=g) * 2.0 ** torch.randint(-8, 8, (n, k // 2), generator=g)).bfloat16()
+    w = torch.cat([w, -w], 1)
+    x = torch.randn(13, k // 2, generator=g).bfloat16().repeat(1, 2)
+    weights = {"bf16": dense_cpu.pack(w), "int8": place(quantize_int8(w.float(), torch.bfloat16), "cpu")}
+    for name, packed in weights.items():
+        bias = torch.randn(n, generator=g).bfloat16()
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for b in (None, bias):
+                whole = linear(x, packed, b)
+                for m in (1, 2):
+                    for i in range(0, 13 - m + 1, 3):
+                        assert torch.equal(linear(x[i:i + m], packed, b), whole[i:i + m]), (name, threads, m, i)
 
 
 def test_panel_linear_takes_strided_rows_and_leading_dims(ops):
