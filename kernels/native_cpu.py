@@ -46,7 +46,10 @@ wherever the ops are not built (CUDA tensors, no compiler, LORAPLEX_CPU_NATIVE=0
         AVX2 builds (has_f32_linear, has_int8_linear_f32); w8a8 (int8 x int8): AVX512-VNNI for bf16 x,
         AVX2 for bf16 and float32 x (has_w8a8_linear, has_w8a8_linear_f32); w4a8 (int4 x int8): AVX2
         builds, its products by AVX512-VNNI where the CPU has them (set_w4a8_vnni(False) runs the AVX2
-        kernels, which give the same bits).
+        kernels, which give the same bits). One or two rows of bf16 or int8 panels or w8a8 quads (a
+        decode step's batch) stream their weights in runs of up to 8 panels side by side, as many runs in
+        each thread's share; more rows run 6-row tiles over groups of 4. Both sum in the same order, so a
+        row's product does not depend on the batch (set_stream_rows(0) runs 1 or 2 rows on the tiles).
     layer_forward(x, h, <the layer's projections>, ..., lora operands) -> next h
         Semantics: one decoder layer of a step, exactly the ops above in the order engine/models/llama.py's
         layer loop calls them (their twins where the op is not built), LoRA adds included: one Python call

@@ -27,7 +27,9 @@
 //                      multiply-adds summed 16 k in int16 before they widen, or AVX512-VNNI products of 4 k
 //                      straight into int32 where the CPU has them (bf16 or float32 x; set_w4a8_vnni)
 //                      bf16_linear, int8_linear and w8a8_linear run 16 rows and more on AMX tiles where the
-//                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx)
+//                      CPU has them (bf16 and int8 tile products over the same panels; has_amx, set_amx), and
+//                      stream 1 or 2 rows' weights in runs of up to 8 panels side by side (parallel_stream;
+//                      set_stream_rows)
 //   lora_add           every token's LoRA delta of one projection group, all slots in one call (a thread
 //                      fetches the next slot's factors while it computes on one: LoraSlot, lora_tokens);
 //                      AVX2 builds run float32 by the same tiles, bf16 token by token
@@ -3089,23 +3091,6 @@ inline void bf16_tile(const uint16_t* __restrict x, int64_t xs, const void* __re
   }
 }
 
-// Rows [0, M), M <= kStreamRows, of panels p0 .. p0 + nr - 1 (nr <= kStreamPanels): see StreamItems.
-template <int MR, bool I8>
-void bf16_stream_tile(int nr, const uint16_t* x, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t N,
-                      uint16_t* out, int64_t os, const float* scale, const float* bias) {
-  NoPrefetch pf;
-  switch (nr) {
-    case 8: bf16_tile<MR, 8, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 7: bf16_tile<MR, 7, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 6: bf16_tile<MR, 6, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 5: bf16_tile<MR, 5, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 4: bf16_tile<MR, 4, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 3: bf16_tile<MR, 3, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    case 2: bf16_tile<MR, 2, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-    default: bf16_tile<MR, 1, I8>(x, xs, w, K2, p0, N, out, os, scale, bias, pf); break;
-  }
-}
-
 template <int MR, bool I8, class PF>
 void bf16_tile_nr(int nr, const uint16_t* x, int64_t xs, const void* w, int64_t K2, int64_t p0, int64_t N,
                   uint16_t* out, int64_t os, const float* scale, const float* bias, PF& pf) {
@@ -3156,13 +3141,24 @@ struct PanelItems {
 };
 
 // A GEMM of one or two rows (a decode step's batch) streams each weight from memory once, and its speed is
-// how many bytes are in flight: 8 panels read side by side (8 streams, each its own accumulators) ran the
-// 30 layers' projections ~10 % faster than 4 on Zen 4, in a standalone copy of the tile and in the engine
-// (docs/benchmarks.md). Items are runs of up to kStreamPanels panels, as many in every thread's share (so a
-// 36-panel projection is 6 items of 6, not 8 + 8 + 8 + 8 + 4 left to one thread); the tile is the row tiles'
-// own, so every row's sums are the same to the bit at any M.
+// how many bytes are in flight: on Zen 4, 8 panels read side by side (8 streams, each its own accumulators)
+// ran a standalone copy of the 30 layers' bf16 projections 8-16 % faster than 4, and the engine's batch-1 step
+// 2-6 % (bf16), ~7 % (w8a8) and ~12 % (int8 panels) faster (docs/benchmarks.md; fp32 panels, already at ~41
+// GB/s, did not gain and keep their groups of 4). Items are runs of up to kStreamPanels panels, as many in
+// every thread's share (a 36-panel projection is 6 runs of 6, not 8 + 8 + 8 + 8 + 4 with one thread left
+// waiting); the tile is the row tiles' own, so every row's sums are the same to the bit at any M.
 constexpr int64_t kStreamPanels = 8;
 constexpr int64_t kStreamRows = 2;  // 8 panels x 2 rows: 16 accumulators and 8 operands in 32 registers
+// The most rows that stream in runs: kStreamRows, or 0 (set_stream_rows) to run them on the row tiles, for A/B
+// runs in one process (the VM's memory speed moved a batch-1 step by up to 40 % between processes).
+std::atomic<int64_t> stream_rows{kStreamRows};
+
+int64_t set_stream_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= kStreamRows, "set_stream_rows: 0 .. ", kStreamRows);
+  return stream_rows.exchange(rows);
+}
+inline bool streams(int64_t M) { return M <= stream_rows.load(std::memory_order_relaxed); }
+
 struct StreamItems {
   int64_t panels, n;
   explicit StreamItems(int64_t panels_) : panels(panels_) {
@@ -3172,6 +3168,31 @@ struct StreamItems {
   int64_t begin(int64_t item) const { return panels * item / n; }
   int nr(int64_t item) const { return static_cast<int>(begin(item + 1) - begin(item)); }
 };
+
+// tile(std::integral_constant<int, MR>{}, std::integral_constant<int, NR>{}, p0) for each run of StreamItems:
+// rows [0, M) (M <= kStreamRows) of panels p0 .. p0 + NR - 1, so the tile kernels take MR and NR as template
+// arguments.
+template <class F>
+void parallel_stream(int64_t M, int64_t panels, const F& tile) {
+  const StreamItems items(panels);
+  parallel_stealing(items.n, [&](int64_t it, int64_t) {
+    const int64_t p0 = items.begin(it);
+    auto rows = [&](auto mr) {
+      switch (items.nr(it)) {
+        case 8: tile(mr, std::integral_constant<int, 8>{}, p0); break;
+        case 7: tile(mr, std::integral_constant<int, 7>{}, p0); break;
+        case 6: tile(mr, std::integral_constant<int, 6>{}, p0); break;
+        case 5: tile(mr, std::integral_constant<int, 5>{}, p0); break;
+        case 4: tile(mr, std::integral_constant<int, 4>{}, p0); break;
+        case 3: tile(mr, std::integral_constant<int, 3>{}, p0); break;
+        case 2: tile(mr, std::integral_constant<int, 2>{}, p0); break;
+        default: tile(mr, std::integral_constant<int, 1>{}, p0); break;
+      }
+    };
+    if (M == 2) rows(std::integral_constant<int, 2>{});
+    else rows(std::integral_constant<int, 1>{});
+  });
+}
 
 // Rows [0, M) in tiles of kRowsPerTile: tile(std::integral_constant<int, MR>, m) for each tile's first row m
 // and its row count MR (the last tile's may be fewer), so the tile kernels take MR as a template argument.
@@ -3442,18 +3463,11 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n
     return out;
   }
 #endif
-  if (M <= kStreamRows) {
-    const StreamItems items(panels);
-    parallel_stealing(items.n, [&](int64_t it, int64_t) {
-      const int64_t p0 = items.begin(it);
-      const int nr = items.nr(it);
-      if (M == 2) {
-        if (i8) bf16_stream_tile<2, true>(nr, xp, xs, wp, K2, p0, n, op, n, scale, bp);
-        else bf16_stream_tile<2, false>(nr, xp, xs, wp, K2, p0, n, op, n, scale, bp);
-      } else {
-        if (i8) bf16_stream_tile<1, true>(nr, xp, xs, wp, K2, p0, n, op, n, scale, bp);
-        else bf16_stream_tile<1, false>(nr, xp, xs, wp, K2, p0, n, op, n, scale, bp);
-      }
+  if (streams(M)) {
+    parallel_stream(M, panels, [&](auto mr, auto nr, int64_t p0) {
+      NoPrefetch none;
+      if (i8) bf16_tile<decltype(mr)::value, decltype(nr)::value, true>(xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
+      else bf16_tile<decltype(mr)::value, decltype(nr)::value, false>(xp, xs, wp, K2, p0, n, op, n, scale, bp, none);
     });
     return out;
   }
@@ -3866,6 +3880,14 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
 #endif
   const int64_t K4 = K / 4, panels = w.size(0), panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  if (streams(M)) {
+    parallel_stream(M, panels, [&](auto mr, auto nr, int64_t p0) {
+      NoPrefetch none;
+      w8a8_tile<decltype(mr)::value, decltype(nr)::value>(rows.q.data(), K, rows.scale.data(), rows.sum.data(), wp, K4,
+                                                          p0, n, op, n, scale, bp, none);
+    });
+    return out;
+  }
   const PanelItems items(M, panels);
   parallel_stealing(items.count(), [&](int64_t it, int64_t next) {
     const int64_t p0 = items.group(it) * kPanelsPerTile, m0 = items.row0(it), m1 = m0 + items.rows(it, M);
@@ -4306,6 +4328,9 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // One or two rows stay on the tiles' groups of 4 panels: in runs of 8 (parallel_stream) the 30 layers'
+  // batch-1 step ran 10.47-10.84 ms against 10.27-10.49 (Zen 4, alternated in one process); the fp32 weights
+  // already stream at ~41 GB/s there.
   const int64_t panel_bytes = K * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
   const PanelItems items(M, panels);
   parallel_stealing(items.count(), [&](int64_t it, int64_t next) {
@@ -5251,6 +5276,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("w4a8_linear(Tensor x, Tensor w, Tensor scale_zeros, int n, Tensor? bias) -> Tensor");
   m.def("has_w4a8_linear() -> bool", &has_w4a8_linear);
   m.def("set_w4a8_vnni(bool enable) -> bool", &set_w4a8_vnni);
+  m.def("set_stream_rows(int rows) -> int", &set_stream_rows);
   m.def("layer_forward(Tensor(a!) x, Tensor h, Tensor qkv_w, Tensor? qkv_s, Tensor? qkv_b, Tensor o_w, Tensor? o_s, "
         "Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] ns, Tensor post_norm, "
         "Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "

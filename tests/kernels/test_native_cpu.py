@@ -322,31 +322,46 @@ def test_panel_linear_equals_f_linear(ops, dtype, m, n, k):
 
 @pytest.mark.parametrize("panels", [1, 3, 5, 8, 13, 36, 60, 128])
 def test_decode_rows_equal_the_same_rows_in_a_batch(ops, panels, restore_threads):
-    """One or two rows stream their bf16 or int8 panels in runs of up to 8, split evenly across the threads;
-    more rows run the 6-row tiles over groups of 4. Both sum every column in the same k order, so a row's
-    product does not depend on how many rows came with it: equal to the bit. Panel counts give runs of 1..8
-    on 1 and 2 threads, and N ends part-way into its last panel."""
+    """One or two rows stream their panels (bf16 and int8 panels, w8a8 quads) in runs of up to 8, split evenly
+    across the threads (float32 panels: groups of 4); more rows run the 6-row tiles over groups of 4. All sum
+    every column in the same k order, so a row's product does not depend on how many rows came with it: equal
+    to the bit. Panel counts give runs of 1..8 on 1 and 2 threads, and N ends part-way into its last panel."""
     from kernels.quant import linear, place, quantize_int8
 
-    _need_panels(ops, torch.bfloat16)
     g = torch.Generator().manual_seed(panels)
     n, k = 16 * panels - 5, 256
     # W's second half is minus its first and x's second half equals its first: every exact sum is 0, and what
     # the fp32 sums leave is their rounding, which another order of k changes (random data would round to
-    # the same bf16 almost always)
-    w = (torch.randn(n, k // 2, generator=g) * 2.0 ** torch.randint(-8, 8, (n, k // 2), generator=g)).bfloat16()
+    # the same bf16 almost always). w8a8 sums exact integers in any order: for it, the test holds each run's
+    # columns, scales and row sums to the batch path's (random values).
+    w = torch.randn(n, k // 2, generator=g) * 2.0 ** torch.randint(-8, 8, (n, k // 2), generator=g)
     w = torch.cat([w, -w], 1)
-    x = torch.randn(13, k // 2, generator=g).bfloat16().repeat(1, 2)
-    weights = {"bf16": dense_cpu.pack(w), "int8": place(quantize_int8(w.float(), torch.bfloat16), "cpu")}
-    for name, packed in weights.items():
-        bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(13, k // 2, generator=g).repeat(1, 2)
+    cases = []  # (name, x, weight)
+    if ops.has_bf16_linear():
+        cases += [("bf16", x.bfloat16(), dense_cpu.pack(w.bfloat16())),
+                  ("int8", x.bfloat16(), place(quantize_int8(w, torch.bfloat16), "cpu"))]
+    if ops.has_f32_linear():
+        cases.append(("float32", x, dense_cpu.pack(w)))
+    if ops.has_w8a8_linear():
+        w8 = quantize_int8(torch.randn(n, k, generator=g), torch.bfloat16, activations="int8")
+        cases.append(("w8a8", torch.randn(13, k, generator=g).bfloat16(), place(w8, "cpu")))
+    if not cases:
+        pytest.skip("this CPU has no native panel kernel")
+    for name, xs, packed in cases:
+        bias = torch.randn(n, generator=g).to(xs.dtype)
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for b in (None, bias):
-                whole = linear(x, packed, b)
+                whole = linear(xs, packed, b)
                 for m in (1, 2):
                     for i in range(0, 13 - m + 1, 3):
-                        assert torch.equal(linear(x[i:i + m], packed, b), whole[i:i + m]), (name, threads, m, i)
+                        assert torch.equal(linear(xs[i:i + m], packed, b), whole[i:i + m]), (name, threads, m, i)
+                assert ops.set_stream_rows(0) == 2  # 1 and 2 rows on the tiles, as before the runs
+                try:
+                    assert torch.equal(linear(xs[:2], packed, b), whole[:2]), (name, threads, "tiles")
+                finally:
+                    ops.set_stream_rows(2)
 
 
 def test_panel_linear_takes_strided_rows_and_leading_dims(ops):
