@@ -3143,7 +3143,7 @@ struct PanelItems {
 // A GEMM of one or two rows (a decode step's batch) streams each weight from memory once, and its speed is
 // how many bytes are in flight: on Zen 4, 8 panels read side by side (8 streams, each its own accumulators)
 // ran a standalone copy of the 30 layers' bf16 projections 8-16 % faster than 4, and the engine's batch-1 step
-// 2-6 % (bf16), ~7 % (w8a8) and ~12 % (int8 panels) faster (docs/benchmarks.md; fp32 panels, already at ~41
+// 2-10 % (bf16), ~8 % (w8a8) and ~11 % (int8 panels) faster (docs/benchmarks.md; fp32 panels, already at ~41
 // GB/s, did not gain and keep their groups of 4). Items are runs of up to kStreamPanels panels, as many in
 // every thread's share (a 36-panel projection is 6 runs of 6, not 8 + 8 + 8 + 8 + 4 with one thread left
 // waiting); the tile is the row tiles' own, so every row's sums are the same to the bit at any M.

@@ -173,7 +173,7 @@ def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, pa
             continue
         w, x = torch.randn(600, 96, generator=g).to(dtype), torch.randn(40, 96, generator=g).to(dtype)
         packed = dense_cpu.pack(w)
-        for m in (1, 3, 40):  # runs of 8 panels, one tile (no prefetch), several (the next group fetched ahead)
+        for m in (1, 3, 40):  # one row (bf16: runs of 8 panels), one tile (no prefetch), several (fetched ahead)
             cases.append((f"dense {dtype} m={m}", lambda x=x[:m], packed=packed: dense_cpu.linear(x, packed)))
     if ops.has_bf16_linear():
         xb = torch.randn(40, 128, generator=g).bfloat16()
@@ -186,6 +186,7 @@ def test_results_do_not_depend_on_the_threads_or_on_who_takes_which_item(ops, pa
         placed = place(quantize_int8(torch.randn(600, 128, generator=g), torch.bfloat16, activations="int8"), "cpu")
         x8 = torch.randn(13, 128, generator=g).bfloat16()
         cases.append(("w8a8", lambda: linear(x8, placed)))
+        cases.append(("w8a8 m=1", lambda: linear(x8[:1], placed)))  # runs of 8 quads' panels
     if ops.has_w4a8_linear():
         placed4a8 = place(quantize_int4(torch.randn(600, 128, generator=g), 32, torch.float32, activations="int8"),
                           "cpu")
