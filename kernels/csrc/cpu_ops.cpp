@@ -3159,38 +3159,31 @@ int64_t set_stream_rows(int64_t rows) {
 }
 inline bool streams(int64_t M) { return M <= stream_rows.load(std::memory_order_relaxed); }
 
-struct StreamItems {
-  int64_t panels, n;
-  explicit StreamItems(int64_t panels_) : panels(panels_) {
-    const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
-    n = std::min(panels, parts * ((panels + kStreamPanels * parts - 1) / (kStreamPanels * parts)));
+// f(std::integral_constant<int, v>{}) for a count v in [1, Max] (below 1: 1), so the tile kernels take their
+// row and panel counts as template arguments.
+template <int Max, class F>
+inline void as_constant(int64_t v, const F& f) {
+  if constexpr (Max == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (v >= Max) {
+    f(std::integral_constant<int, Max>{});
+  } else {
+    as_constant<Max - 1>(v, f);
   }
-  int64_t begin(int64_t item) const { return panels * item / n; }
-  int nr(int64_t item) const { return static_cast<int>(begin(item + 1) - begin(item)); }
-};
+}
 
-// tile(std::integral_constant<int, MR>{}, std::integral_constant<int, NR>{}, p0) for each run of StreamItems:
-// rows [0, M) (M <= kStreamRows) of panels p0 .. p0 + NR - 1, so the tile kernels take MR and NR as template
-// arguments.
+// tile(std::integral_constant<int, MR>{}, std::integral_constant<int, NR>{}, p0) for rows [0, M) (M <=
+// kStreamRows) of each run of panels p0 .. p0 + NR - 1: runs of up to kStreamPanels, as many in every thread's
+// share.
 template <class F>
 void parallel_stream(int64_t M, int64_t panels, const F& tile) {
-  const StreamItems items(panels);
-  parallel_stealing(items.n, [&](int64_t it, int64_t) {
-    const int64_t p0 = items.begin(it);
-    auto rows = [&](auto mr) {
-      switch (items.nr(it)) {
-        case 8: tile(mr, std::integral_constant<int, 8>{}, p0); break;
-        case 7: tile(mr, std::integral_constant<int, 7>{}, p0); break;
-        case 6: tile(mr, std::integral_constant<int, 6>{}, p0); break;
-        case 5: tile(mr, std::integral_constant<int, 5>{}, p0); break;
-        case 4: tile(mr, std::integral_constant<int, 4>{}, p0); break;
-        case 3: tile(mr, std::integral_constant<int, 3>{}, p0); break;
-        case 2: tile(mr, std::integral_constant<int, 2>{}, p0); break;
-        default: tile(mr, std::integral_constant<int, 1>{}, p0); break;
-      }
-    };
-    if (M == 2) rows(std::integral_constant<int, 2>{});
-    else rows(std::integral_constant<int, 1>{});
+  const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t n = std::min(panels, parts * ((panels + kStreamPanels * parts - 1) / (kStreamPanels * parts)));
+  parallel_stealing(n, [&](int64_t it, int64_t) {
+    const int64_t p0 = panels * it / n, p1 = panels * (it + 1) / n;
+    as_constant<kStreamRows>(M, [&](auto mr) {
+      as_constant<kStreamPanels>(p1 - p0, [&](auto nr) { tile(mr, nr, p0); });
+    });
   });
 }
 
@@ -3198,16 +3191,7 @@ void parallel_stream(int64_t M, int64_t panels, const F& tile) {
 // and its row count MR (the last tile's may be fewer), so the tile kernels take MR as a template argument.
 template <class F>
 inline void for_row_tiles(int64_t M, const F& tile) {
-  for (int64_t m = 0; m < M; m += kRowsPerTile) {
-    switch (std::min<int64_t>(kRowsPerTile, M - m)) {
-      case 6: tile(std::integral_constant<int, 6>{}, m); break;
-      case 5: tile(std::integral_constant<int, 5>{}, m); break;
-      case 4: tile(std::integral_constant<int, 4>{}, m); break;
-      case 3: tile(std::integral_constant<int, 3>{}, m); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m); break;
-      default: tile(std::integral_constant<int, 1>{}, m); break;
-    }
-  }
+  for (int64_t m = 0; m < M; m += kRowsPerTile) as_constant<kRowsPerTile>(M - m, [&](auto mr) { tile(mr, m); });
 }
 
 #if defined(__AVX512BF16__)
@@ -3879,7 +3863,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     return out;
   }
 #endif
-  const int64_t K4 = K / 4, panels = w.size(0), panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t K4 = K / 4, panels = w.size(0);
   if (streams(M)) {
     parallel_stream(M, panels, [&](auto mr, auto nr, int64_t p0) {
       NoPrefetch none;
@@ -3888,6 +3872,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     });
     return out;
   }
+  const int64_t panel_bytes = K4 * 64, tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
   const PanelItems items(M, panels);
   parallel_stealing(items.count(), [&](int64_t it, int64_t next) {
     const int64_t p0 = items.group(it) * kPanelsPerTile, m0 = items.row0(it), m1 = m0 + items.rows(it, M);
@@ -4815,16 +4800,9 @@ void w4a8_run_vnni(const RowsI8& rows, const float* xsum, int64_t M, int64_t K, 
       const float* xm = xsum + m * G;
       const float* sx = rows.scale.data() + m;
       T* om = op + m * n;
-      switch (std::min<int64_t>(kRows, M - m)) {
-        case 8: w4a8_vnni_tile<8>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        case 7: w4a8_vnni_tile<7>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        case 6: w4a8_vnni_tile<6>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        case 5: w4a8_vnni_tile<5>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        case 4: w4a8_vnni_tile<4>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        case 3: w4a8_vnni_tile<3>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        case 2: w4a8_vnni_tile<2>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-        default: w4a8_vnni_tile<1>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias); break;
-      }
+      as_constant<kRows>(M - m, [&](auto mr) {
+        w4a8_vnni_tile<decltype(mr)::value>(xq, K, xm, G, group, sx, panel, psz, p * 16, n, om, bias);
+      });
     }
   });
 }
